@@ -1,0 +1,47 @@
+"""The paged KV pool: per layer one K and one V tensor of [num_pages, page_size, num_kv_heads,
+head_dim] (FlashInfer's NHD paged layout). Page ids come from the scheduler's PageAllocator."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # Uninitialized on purpose: a slot is read only after it was written (backends pad with
+        # slots of the same sequence, never with unwritten ones).
+        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def flat_k(self, layer: int) -> torch.Tensor:
+        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def flat_v(self, layer: int) -> torch.Tensor:
+        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K and V at flat slots (page * page_size + offset)."""
+        self.flat_k(layer)[slots] = k
+        self.flat_v(layer)[slots] = v
+
+
+def flat_slots(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """Flat KV slots of positions [start, end) of a sequence with page table `pages`."""
+    return [pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)]

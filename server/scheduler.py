@@ -1,0 +1,269 @@
+"""The scheduler: which tokens of which requests run in the next forward pass.
+
+One step is `plan = scheduler.schedule()`, `out = runner.execute(plan)`,
+`finished = scheduler.update(plan, out)`. Requests move waiting -> running (maybe through one
+chunked-prefill step after another) -> finished; retraction sends a running request back to the
+front of the waiting queue with its computed prefix left in the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.server.memory import KVMemory
+from tandem.server.plan import Phase, SeqPlan, StepOutput, StepPlan
+from tandem.server.policy import NewTokenRatio, PrefillBudget, order_waiting
+from tandem.server.request import Finish, Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int  # 0: no chunking
+    enable_mixed_chunk: bool
+    schedule_policy: str
+    init_new_token_ratio: float
+    min_new_token_ratio: float
+    new_token_ratio_decay_steps: int
+
+
+@dataclass
+class SchedulerStats:
+    """Plain counters and gauges for the metrics layer; the scheduler never touches prometheus."""
+
+    retractions: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache on first admission
+    prefix_hit_tokens: int = 0  # of those, tokens served from the cache
+    forward_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, memory: KVMemory):
+        self.config = config
+        self.memory = memory
+        self.page_size = memory.page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # hold a slot and have sampled at least once
+        self.chunked: Request | None = None  # holds a slot, prompt only partly computed
+        self.ratio = NewTokenRatio(
+            config.init_new_token_ratio, config.min_new_token_ratio, config.new_token_ratio_decay_steps
+        )
+        self.stats = SchedulerStats()
+
+    # -- intake -----------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> Request | None:
+        """End a request wherever it is and free what it holds. Unknown ids return None."""
+        for req in self._all():
+            if req.rid == rid:
+                self._finish(req, Finish("abort", message=message))
+                return req
+        return None
+
+    def finish(self, req: Request, finish: Finish) -> None:
+        """End a request for a reason found outside the scheduler (a stop string, say)."""
+        if not req.finished:
+            self._finish(req, finish)
+
+    def _all(self):
+        yield from self.waiting
+        if self.chunked is not None:
+            yield self.chunked
+        yield from self.running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked is not None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # -- schedule ---------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        mixed = self.config.enable_mixed_chunk and bool(self.running)
+        if mixed:
+            decodes = self._schedule_decodes()
+            prefills = self._schedule_prefills()
+        else:
+            prefills = self._schedule_prefills()
+            decodes = [] if prefills else self._schedule_decodes()
+        if not prefills and not decodes:
+            return None
+        phase = Phase.MIXED if prefills and decodes else Phase.PREFILL if prefills else Phase.DECODE
+        self.stats.forward_steps += 1
+        return StepPlan(phase, prefills + decodes, len(prefills), self.page_size)
+
+    def _schedule_prefills(self) -> list[SeqPlan]:
+        if not self.waiting and self.chunked is None:
+            return []
+        cfg = self.config
+        reserved = sum(self.ratio.reserve(r) for r in self.running)
+        budget = PrefillBudget(
+            rem_total=self.memory.available_pages * self.page_size - reserved,
+            rem_input=cfg.max_prefill_tokens,
+            rem_chunk=cfg.chunked_prefill_size or None,
+            page_size=self.page_size,
+        )
+        plans: list[SeqPlan] = []
+        if self.chunked is not None:
+            req = self.chunked
+            take = budget.take(req.pending, self._reserve(req, plans), first=True)
+            if take == 0 or not self.memory.grow(req, req.num_computed + take):
+                return []  # the chunk waits; decodes (or a retraction) make room
+            plans.append(self._seq(req, take))
+            if take < req.pending:
+                return plans  # still chunked: nothing else joins
+            self.chunked = None
+            self.running.append(req)  # its first token is sampled this step
+
+        slots_left = cfg.max_running_requests - self.num_running
+        for req, match in order_waiting(self.waiting, cfg.schedule_policy, self.memory):
+            if slots_left <= 0:
+                break
+            cached = len(match.pages) * self.page_size
+            extend = req.num_tokens - cached
+            take = budget.take(extend, self._reserve(req, plans), first=not plans)
+            if take == 0 or not self.memory.admit(req, match, cached + take):
+                break
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            slots_left -= 1
+            if req.num_retractions == 0:
+                self.stats.prefix_query_tokens += req.prompt_len
+                self.stats.prefix_hit_tokens += cached
+                req.num_cached_prompt = cached
+            plans.append(self._seq(req, take))
+            if take < extend:
+                self.chunked = req
+                break
+            self.running.append(req)
+        return plans
+
+    def _reserve(self, req: Request, planned: list[SeqPlan]) -> int:
+        """Output headroom to set aside for `req`. The first request into an idle engine gets none:
+        reserving could only stall it forever, and retraction covers any overflow."""
+        return self.ratio.reserve(req) if self.running or planned else 0
+
+    def _schedule_decodes(self) -> list[SeqPlan]:
+        decoding = [r for r in self.running if r.is_decoding]
+        if not decoding:
+            return []
+        while True:
+            need = sum(1 for r in decoding if r.num_computed // self.page_size >= len(r.pages))
+            if need <= self.memory.available_pages:
+                break
+            victim = self._pick_victim()
+            if victim is None:
+                break
+            if victim in decoding:
+                decoding.remove(victim)
+        plans = []
+        for req in decoding:
+            if not self.memory.grow(req, req.num_computed + 1):
+                # A lone request that outgrew the whole pool: nothing left to retract.
+                self._finish(req, Finish("abort", message="KV cache exhausted: the request no longer fits the pool"))
+                continue
+            plans.append(self._seq(req, 1))
+        self.ratio.step()
+        return plans
+
+    def _pick_victim(self) -> Request | None:
+        """Retract the running request with the fewest generated tokens (ties: longest prompt)."""
+        candidates = list(self.running) + ([self.chunked] if self.chunked is not None else [])
+        if len(candidates) <= 1:
+            return None
+        victim = min(candidates, key=lambda r: (r.num_output, -r.prompt_len))
+        self._retract(victim)
+        return victim
+
+    def _retract(self, req: Request) -> None:
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
+        self.memory.release(req)  # its computed prefix stays in the prefix cache
+        req.status = Status.WAITING
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+        self.ratio.reset()
+
+    def _seq(self, req: Request, take: int) -> SeqPlan:
+        start = req.num_computed
+        return SeqPlan(
+            rid=req.rid,
+            slot=req.slot,
+            token_ids=req.token_ids[start : start + take],
+            start_pos=start,
+            pages=req.pages,
+            sample=start + take == req.num_tokens,
+            params=req.params,
+            history=req.token_ids,
+            prompt_len=req.prompt_len,
+            seed=(req.sampling_seed * 1_000_003 + req.num_output) % (1 << 63),
+        )
+
+    # -- update -----------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, out: StepOutput) -> list[Request]:
+        """Apply a finished forward pass. Returns the requests that got a new token (some of them
+        now finished), in plan order."""
+        by_rid = {r.rid: r for r in self.running}
+        if self.chunked is not None:
+            by_rid[self.chunked.rid] = self.chunked
+        touched = []
+        for i, seq in enumerate(plan.seqs):
+            req = by_rid.get(seq.rid)
+            if req is None:  # aborted while the pass ran
+                continue
+            req.num_computed += len(seq.token_ids)
+            if not seq.sample:
+                self.memory.cache_computed(req)  # share the finished chunk with later requests
+                continue
+            token = out.next_tokens[i]
+            req.token_ids.append(token)
+            if out.logprobs:
+                req.output_logprobs.append(out.logprobs[i])
+            if out.top_logprobs:
+                req.output_top_logprobs.append(out.top_logprobs[i])
+            finish = self._stop_reason(req, token)
+            if finish is not None:
+                self._finish(req, finish)
+            touched.append(req)
+        return touched
+
+    @staticmethod
+    def _stop_reason(req: Request, token: int) -> Finish | None:
+        if token in req.eos_ids and not req.params.ignore_eos:
+            return Finish("stop", matched=token)
+        if token in req.params.stop_token_ids:
+            return Finish("stop", matched=token)
+        if req.num_output >= req.max_new_tokens:
+            return Finish("length")
+        return None
+
+    def _finish(self, req: Request, finish: Finish) -> None:
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
+        self.memory.release(req)
+        req.status = Status.FINISHED
+        req.finish = finish
+
+    def check_integrity(self) -> None:
+        self.memory.check_integrity()
+        holders = self.running + ([self.chunked] if self.chunked is not None else [])
+        assert len(holders) == len({r.rid for r in holders}), "a request is running twice"
+        assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
+        assert self.memory.slots.num_free == self.memory.slots.num_slots - len(holders), "slots leaked"
