@@ -50,10 +50,12 @@ class AttentionBackend(ABC):
 
 
 def create_backend(name: str, kv_cache: PagedKVCache, num_heads: int, head_dim: int) -> AttentionBackend:
-    """`auto` picks FlashInfer on CUDA and the torch backend elsewhere."""
+    """`auto` picks FlashInfer on CUDA for 16-bit caches (it has no float32 kernels) and the torch
+    backend everywhere else."""
     scale = head_dim**-0.5
     if name == "auto":
-        name = "flashinfer" if kv_cache.device.type == "cuda" else "torch"
+        half = kv_cache.dtype in (torch.float16, torch.bfloat16)
+        name = "flashinfer" if kv_cache.device.type == "cuda" and half else "torch"
     if name == "torch":
         from tandem.kernels.torch_attention import TorchAttention
 

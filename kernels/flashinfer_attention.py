@@ -1,8 +1,11 @@
-"""Attention on CUDA with FlashInfer's paged kernels.
+"""Attention on CUDA with FlashInfer's paged kernels (flashinfer-python >= 0.2.1, where the prefill
+plan() names its head size `head_dim_qk`; the decode plan() keeps `head_dim`).
 
-Batches with prompt pieces use the batch prefill kernel over the paged cache (it handles a cached
-prefix and bottom-right causality, and one-token decodes riding along as q_len == 1); pure
-decode batches use the batch decode kernel. Both read the cache as (K, V) tuples in NHD layout.
+Batches with prompt pieces use the batch prefill kernel over the paged cache. Its causal mask is
+bottom-right aligned (key kv_idx is masked for new row q_idx iff kv_idx + q_len > kv_len + q_idx),
+which is our convention: a cached prefix, and one-token decodes riding along as q_len == 1, need
+nothing extra. Pure decode batches use the batch decode kernel. Both read the cache as a (K, V)
+tuple of [num_pages, page_size, num_kv_heads, head_dim] tensors: FlashInfer's "NHD" layout.
 """
 
 from __future__ import annotations
@@ -20,48 +23,68 @@ class FlashInferAttention(AttentionBackend):
         super().__init__(kv_cache, num_heads, head_dim, scale)
         import flashinfer
 
-        device = kv_cache.device
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        if kv_cache.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"FlashInfer's attention kernels take float16 or bfloat16, not {kv_cache.dtype}: "
+                "use --dtype bfloat16 or --attention-backend torch"
+            )
+        # One float workspace (split-KV partial results) serves both wrappers: a forward pass plans
+        # and runs only one of them, and each wrapper keeps its plan in its own int workspace.
+        # Zeroed: the wrappers ask for a zero-initialized buffer on first use.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
+        # The CUDA-core decode kernel is compiled for GQA group sizes 1, 2, 3, 4 and 8 only. Groups
+        # of 4 and more take the tensor-core path instead (the prefill kernel: any group size, and
+        # faster for large groups; SGLang switches at 4 too).
+        group = num_heads // kv_cache.num_kv_heads
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD", use_tensor_cores=group >= 4
+        )
         self.wrapper = None
 
     def prepare(self, batch: AttentionBatch) -> None:
-        device, P = self.kv_cache.device, self.kv_cache.page_size
+        P, dtype = self.kv_cache.page_size, self.kv_cache.dtype
+        # plan() wants int32 index arrays. They are built on the host: plan() reads the indptrs
+        # there anyway and copies everything to the workspace's device itself. FlashInfer derives
+        # kv_len = (len(table) - 1) * P + last_page_len, so each table must hold exactly
+        # ceil(kv_len / P) pages (the runner trims them), and last_page_len is in [1, P].
         kv_indptr = [0]
         for table in batch.page_tables:
             kv_indptr.append(kv_indptr[-1] + len(table))
-        kv_indices = torch.tensor([p for t in batch.page_tables for p in t], dtype=torch.int32, device=device)
-        kv_indptr_t = torch.tensor(kv_indptr, dtype=torch.int32, device=device)
-        last_page_len = torch.tensor([(n - 1) % P + 1 for n in batch.kv_lens], dtype=torch.int32, device=device)
+        kv_indptr_t = torch.tensor(kv_indptr, dtype=torch.int32)
+        kv_indices = torch.tensor([p for t in batch.page_tables for p in t], dtype=torch.int32)
+        last_page_len = torch.tensor([(n - 1) % P + 1 for n in batch.kv_lens], dtype=torch.int32)
+        # q shares the cache's dtype (both are the model's); run() checks q against q_data_type.
         common = dict(
             num_qo_heads=self.num_heads,
             num_kv_heads=self.kv_cache.num_kv_heads,
-            head_dim=self.head_dim,
             page_size=P,
-            q_data_type=self.kv_cache.dtype,
             sm_scale=self.scale,
+            q_data_type=dtype,
+            kv_data_type=dtype,
         )
         self.out_slots = batch.out_slots
         if batch.num_extends == 0:
             self.decode.plan(
-                kv_indptr_t, kv_indices, last_page_len, kv_data_type=self.kv_cache.dtype, **common
+                indptr=kv_indptr_t,
+                indices=kv_indices,
+                last_page_len=last_page_len,
+                head_dim=self.head_dim,
+                **common,
             )
             self.wrapper = self.decode
         else:
             qo_indptr = [0]
             for n in batch.q_lens:
                 qo_indptr.append(qo_indptr[-1] + n)
-            qo_indptr_t = torch.tensor(qo_indptr, dtype=torch.int32, device=device)
             self.prefill.plan(
-                qo_indptr_t,
-                kv_indptr_t,
-                kv_indices,
-                last_page_len,
-                causal=True,
-                kv_data_type=self.kv_cache.dtype,
-                **{k: v for k, v in common.items() if k != "head_dim"},
+                qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),
+                paged_kv_indptr=kv_indptr_t,
+                paged_kv_indices=kv_indices,
+                paged_kv_last_page_len=last_page_len,
                 head_dim_qk=self.head_dim,
+                causal=True,
+                **common,
             )
             self.wrapper = self.prefill
 

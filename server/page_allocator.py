@@ -24,6 +24,8 @@ class PageAllocator:
 
     def alloc(self, n: int) -> list[int] | None:
         """Take `n` pages, or None (and nothing taken) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             return None
         if n == 0:
@@ -35,8 +37,11 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for p in pages:
+        """All or nothing: a page that is already free (or listed twice) raises and frees none."""
+        for i, p in enumerate(pages):
             if self._is_free[p]:
+                for q in pages[:i]:
+                    self._is_free[q] = 0
                 raise RuntimeError(f"page {p} freed twice")
             self._is_free[p] = 1
         self._free.extend(pages)

@@ -6,6 +6,10 @@ import math
 from dataclasses import dataclass
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class InvalidRequestError(ValueError):
     """A request that can never be served. `field` names the offending input."""
 
@@ -54,13 +58,13 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             finite(name, getattr(self, name))
-        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             raise InvalidRequestError("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -69,13 +73,13 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise InvalidRequestError("seed", f"must be an integer >= 0, got {self.seed!r}")
         for token in self.stop_token_ids:
-            if not isinstance(token, int) or not 0 <= token < vocab_size:
+            if not _is_int(token) or not 0 <= token < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty, got {text!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
             raise InvalidRequestError("top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")

@@ -157,6 +157,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.is_decoding]
         if not decoding:
             return []
+        retracted = False
         while True:
             need = sum(1 for r in decoding if r.num_computed // self.page_size >= len(r.pages))
             if need <= self.memory.available_pages:
@@ -164,6 +165,7 @@ class Scheduler:
             victim = self._pick_victim()
             if victim is None:
                 break
+            retracted = True
             if victim in decoding:
                 decoding.remove(victim)
         plans = []
@@ -173,7 +175,8 @@ class Scheduler:
                 self._finish(req, Finish("abort", message="KV cache exhausted: the request no longer fits the pool"))
                 continue
             plans.append(self._seq(req, 1))
-        self.ratio.step()
+        if not retracted:  # a retraction just reset the ratio; decaying it now would undo that
+            self.ratio.step()
         return plans
 
     def _pick_victim(self) -> Request | None:

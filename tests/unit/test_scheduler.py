@@ -1,0 +1,471 @@
+"""Scheduler driven by a fake runner: admission, chunked prefill, mixed batches, retraction, the
+new-token ratio, queue order, aborts and stop conditions. No model, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.server.memory import KVMemory
+from tandem.server.plan import Phase, SeqPlan, StepOutput, StepPlan
+from tandem.server.request import Request, Status
+from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduler import Scheduler, SchedulerConfig
+
+EOS = 2
+TOKEN = 7  # what the fake runner samples unless told otherwise
+
+DEFAULTS = dict(
+    max_running_requests=8,
+    max_prefill_tokens=4096,
+    chunked_prefill_size=0,
+    enable_mixed_chunk=False,
+    schedule_policy="fcfs",
+    init_new_token_ratio=0.7,
+    min_new_token_ratio=0.1,
+    new_token_ratio_decay_steps=100,
+)
+
+
+def make_scheduler(num_pages: int = 256, page_size: int = 4, prefix_cache: bool = True, **config) -> Scheduler:
+    cfg = SchedulerConfig(**{**DEFAULTS, **config})
+    return Scheduler(cfg, KVMemory(num_pages, page_size, cfg.max_running_requests, prefix_cache))
+
+
+def make_request(rid: str, prompt: list[int], max_new_tokens: int = 4, **params) -> Request:
+    return Request(
+        rid=rid,
+        token_ids=list(prompt),
+        prompt_len=len(prompt),
+        params=SamplingParams(max_new_tokens=max_new_tokens, **params),
+        max_new_tokens=max_new_tokens,
+        eos_ids=frozenset({EOS}),
+        sampling_seed=0,
+    )
+
+
+class FakeRunner:
+    """Writes every planned token into a fake KV pool at (page, offset) and checks that all earlier
+    positions of the sequence read back its own history, so a page shared, swapped or reused wrongly
+    fails the step. Samples `script[num_output]` when given, else TOKEN."""
+
+    def __init__(self, page_size: int, script: dict[str, list[int]] | None = None):
+        self.page_size = page_size
+        self.script = script or {}
+        self.kv: dict[tuple[int, int], int] = {}
+
+    def cell(self, pages: list[int], pos: int) -> tuple[int, int]:
+        return pages[pos // self.page_size], pos % self.page_size
+
+    def __call__(self, plan: StepPlan) -> StepOutput:
+        for seq in plan.seqs:
+            for pos in range(seq.start_pos):
+                assert self.kv.get(self.cell(seq.pages, pos)) == seq.history[pos], f"{seq.rid}: KV at {pos} is wrong"
+            for pos, token in enumerate(seq.token_ids, seq.start_pos):
+                self.kv[self.cell(seq.pages, pos)] = token
+        return StepOutput([self.next_token(seq) if seq.sample else None for seq in plan.seqs])
+
+    def next_token(self, seq: SeqPlan) -> int:
+        script = self.script.get(seq.rid)
+        return script[len(seq.history) - seq.prompt_len] if script else TOKEN
+
+
+def check_plan(plan: StepPlan, page_size: int) -> None:
+    extends, decodes = plan.seqs[: plan.num_extends], plan.seqs[plan.num_extends :]
+    assert plan.phase is (Phase.MIXED if extends and decodes else Phase.PREFILL if extends else Phase.DECODE)
+    assert len({s.rid for s in plan.seqs}) == len(plan.seqs), "a request runs twice in one pass"
+    for seq in decodes:
+        assert len(seq.token_ids) == 1 and seq.sample
+    for seq in plan.seqs:
+        assert seq.token_ids and seq.history[seq.start_pos : seq.kv_len] == seq.token_ids
+        assert seq.sample == (seq.kv_len == len(seq.history)), "only the piece reaching the end samples"
+        assert len(seq.pages) * page_size >= seq.kv_len, "pages do not cover the pass"
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> StepPlan:
+    plan = sched.schedule()
+    assert plan is not None, "work is queued but nothing was scheduled"
+    check_plan(plan, sched.page_size)
+    sched.update(plan, runner(plan))
+    sched.check_integrity()
+    return plan
+
+
+def assert_drained(sched: Scheduler) -> None:
+    """Nothing queued or running; every page free or held, unpinned, by the prefix cache."""
+    sched.check_integrity()
+    mem = sched.memory
+    assert not sched.has_work()
+    assert mem.slots.num_free == mem.slots.num_slots
+    assert mem.allocator.num_free + mem.cache.num_pages == mem.num_pages
+    assert mem.cache.num_evictable == mem.cache.num_pages
+
+
+def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 500) -> list[StepPlan]:
+    plans = []
+    while sched.has_work():
+        assert len(plans) < max_steps, "the scheduler stopped making progress"
+        plans.append(step(sched, runner))
+    assert_drained(sched)
+    return plans
+
+
+# -- a request's life ------------------------------------------------------------------------------
+def test_one_request_prefills_then_decodes_to_its_limit():
+    sched = make_scheduler()
+    req = make_request("a", [11, 12, 13, 14, 15], max_new_tokens=4)
+    sched.add(req)
+    plans = run_to_completion(sched, FakeRunner(4))
+    assert [p.phase for p in plans] == [Phase.PREFILL] + [Phase.DECODE] * 3
+    assert [p.seqs[0].start_pos for p in plans] == [0, 5, 6, 7]
+    assert req.output_ids == [TOKEN] * 4
+    assert req.finish.reason == "length" and req.status is Status.FINISHED
+
+
+# -- admission budgets -----------------------------------------------------------------------------
+def test_max_prefill_tokens_limits_prompts_per_step():
+    sched = make_scheduler(max_prefill_tokens=16)
+    reqs = [make_request(str(i), [100 + i] * 8) for i in range(3)]
+    for req in reqs:
+        sched.add(req)
+    runner = FakeRunner(4)
+    first = step(sched, runner)
+    assert [s.rid for s in first.seqs] == ["0", "1"], "16 prompt tokens fit two prompts of 8"
+    assert [r.rid for r in sched.waiting] == ["2"]
+    run_to_completion(sched, runner)
+    assert all(len(r.output_ids) == 4 for r in reqs)
+
+
+def test_one_prompt_may_exceed_max_prefill_tokens():
+    sched = make_scheduler(max_prefill_tokens=16)
+    long, short = make_request("long", list(range(30))), make_request("short", [1, 2])
+    sched.add(long)
+    sched.add(short)
+    runner = FakeRunner(4)
+    first = step(sched, runner)
+    assert [(s.rid, len(s.token_ids)) for s in first.seqs] == [("long", 30)]
+    assert [r.rid for r in sched.waiting] == ["short"]
+    run_to_completion(sched, runner)
+
+
+def test_max_running_requests_caps_running():
+    sched = make_scheduler(max_running_requests=2)
+    reqs = [make_request(str(i), [50 + i] * 3, max_new_tokens=3) for i in range(5)]
+    for req in reqs:
+        sched.add(req)
+    runner = FakeRunner(4)
+    seen_running = []
+    while sched.has_work():
+        step(sched, runner)
+        seen_running.append(sched.num_running)
+    assert max(seen_running) == 2
+    assert_drained(sched)
+    assert all(r.output_ids == [TOKEN] * 3 for r in reqs)
+
+
+# -- chunked prefill -------------------------------------------------------------------------------
+@pytest.mark.parametrize("page_size, chunk, pieces", [(4, 10, [8, 8, 5]), (1, 10, [10, 10, 1]), (4, 8, [8, 8, 5])])
+def test_long_prompt_is_split_into_page_aligned_pieces(page_size, chunk, pieces):
+    sched = make_scheduler(page_size=page_size, chunked_prefill_size=chunk)
+    prompt = list(range(100, 121))
+    req = make_request("a", prompt, max_new_tokens=2)
+    sched.add(req)
+    runner = FakeRunner(page_size)
+    starts = 0
+    for i, size in enumerate(pieces):
+        plan = step(sched, runner)
+        (seq,) = plan.seqs
+        assert plan.phase is Phase.PREFILL
+        assert (seq.start_pos, seq.token_ids) == (starts, prompt[starts : starts + size])
+        assert seq.start_pos % page_size == 0
+        last = i == len(pieces) - 1
+        assert seq.sample == last
+        assert (sched.chunked is None) == last
+        if not last:
+            assert req.num_output == 0
+            # the finished pieces are shared through the prefix cache right away
+            assert req.cached_pages == (starts + size) // page_size
+        starts += size
+    assert req.output_ids == [TOKEN]
+    decode = step(sched, runner)
+    assert decode.phase is Phase.DECODE and decode.seqs[0].start_pos == len(prompt)
+    assert_drained(sched)
+    assert req.output_ids == [TOKEN] * 2
+
+
+def test_chunked_request_blocks_other_prompts_until_done():
+    sched = make_scheduler(chunked_prefill_size=8)
+    long, short = make_request("long", list(range(20)), max_new_tokens=1), make_request("short", [1, 2, 3])
+    sched.add(long)
+    sched.add(short)
+    runner = FakeRunner(4)
+    assert [s.rid for s in step(sched, runner).seqs] == ["long"]
+    assert [s.rid for s in step(sched, runner).seqs] == ["long"]
+    last = step(sched, runner)
+    assert [(s.rid, len(s.token_ids)) for s in last.seqs] == [("long", 4), ("short", 3)], (
+        "the last piece leaves room in the chunk budget for the next prompt"
+    )
+    run_to_completion(sched, runner)
+
+
+# -- mixed batches and prefill priority ------------------------------------------------------------
+def test_mixed_step_runs_prompt_piece_with_decodes():
+    sched = make_scheduler(chunked_prefill_size=8, enable_mixed_chunk=True)
+    a = make_request("a", [1, 2, 3], max_new_tokens=6)
+    sched.add(a)
+    runner = FakeRunner(4)
+    assert step(sched, runner).phase is Phase.PREFILL
+    b = make_request("b", list(range(100, 120)), max_new_tokens=2)
+    sched.add(b)
+    plan = step(sched, runner)
+    assert plan.phase is Phase.MIXED
+    assert plan.num_extends == 1
+    assert [(s.rid, s.start_pos, len(s.token_ids), s.sample) for s in plan.seqs] == [
+        ("b", 0, 8, False),
+        ("a", 3, 1, True),
+    ]
+    plan = step(sched, runner)
+    assert plan.phase is Phase.MIXED
+    assert [(s.rid, s.start_pos) for s in plan.seqs] == [("b", 8), ("a", 4)]
+    run_to_completion(sched, runner)
+    assert a.output_ids == [TOKEN] * 6 and b.output_ids == [TOKEN] * 2
+
+
+def test_prefill_has_priority_when_not_mixed():
+    sched = make_scheduler()
+    a = make_request("a", [1, 2, 3], max_new_tokens=5)
+    sched.add(a)
+    runner = FakeRunner(4)
+    step(sched, runner)
+    b = make_request("b", [4, 5, 6])
+    sched.add(b)
+    plan = step(sched, runner)
+    assert plan.phase is Phase.PREFILL and [s.rid for s in plan.seqs] == ["b"]
+    assert a.num_output == 1, "a running request does not decode in a prefill step"
+    plan = step(sched, runner)
+    assert plan.phase is Phase.DECODE and [s.rid for s in plan.seqs] == ["a", "b"]
+    run_to_completion(sched, runner)
+
+
+# -- retraction and the new-token ratio ------------------------------------------------------------
+def retraction_scenario(page_size: int):
+    """A 14-token pool: `a` runs alone for two steps, then `b` joins (and `c` waits for a slot);
+    both decode until the pool runs out and one must go."""
+    sched = make_scheduler(
+        num_pages=14 // page_size,
+        page_size=page_size,
+        max_running_requests=2,
+        init_new_token_ratio=0.5,
+        min_new_token_ratio=0.0,
+        new_token_ratio_decay_steps=2,
+    )
+    a, b = make_request("a", [1, 2, 3, 4], max_new_tokens=10), make_request("b", [5, 6, 7, 8], max_new_tokens=10)
+    c = make_request("c", [9, 9], max_new_tokens=2)
+    sched.add(a)
+    runner = FakeRunner(page_size)
+    step(sched, runner)
+    step(sched, runner)
+    sched.add(b)
+    sched.add(c)
+    return sched, runner, (a, b, c)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_retraction_sends_fewest_output_request_to_front_of_queue(page_size):
+    sched, runner, (a, b, c) = retraction_scenario(page_size)
+    while sched.stats.retractions == 0:
+        assert sched.has_work()
+        step(sched, runner)
+    assert a.num_output > b.num_output > 0
+    assert b.status is Status.WAITING and b.slot is None and b.num_retractions == 1
+    assert [r.rid for r in sched.waiting] == ["b", "c"], "the retracted request goes first"
+    assert [r.rid for r in sched.running] == ["a"]
+    run_to_completion(sched, runner)
+    assert a.output_ids == [TOKEN] * 10 and b.output_ids == [TOKEN] * 10 and c.output_ids == [TOKEN] * 2
+    assert a.finish.reason == b.finish.reason == "length"
+    assert runner.kv, "the fake runner saw the passes"
+
+
+def test_retracted_chunked_request_resumes_from_its_cached_pieces():
+    sched = make_scheduler(
+        num_pages=9, page_size=2, max_running_requests=2, chunked_prefill_size=4, enable_mixed_chunk=True,
+        init_new_token_ratio=0.0, min_new_token_ratio=0.0,
+    )
+    a, b = make_request("a", [1, 2, 3], max_new_tokens=12), make_request("b", list(range(100, 114)), max_new_tokens=2)
+    runner = FakeRunner(2)
+    sched.add(a)
+    step(sched, runner)
+    sched.add(b)
+    assert step(sched, runner).phase is Phase.MIXED  # b's first piece rides with a's decode
+    while sched.stats.retractions == 0:
+        assert sched.chunked is b, "b is still prefilling when the pool runs out"
+        step(sched, runner)
+    assert sched.chunked is None and list(sched.waiting) == [b] and b.num_retractions == 1
+    assert sched.memory.match(b).pages, "b's finished pieces stay in the prefix cache"
+    plans = run_to_completion(sched, runner)
+    resumed = next(s for p in plans for s in p.seqs if s.rid == "b")
+    assert resumed.start_pos > 0, "b does not recompute what the cache kept"
+    assert a.output_ids == [TOKEN] * 12 and b.output_ids == [TOKEN] * 2
+
+
+def test_lone_request_that_outgrows_the_pool_is_aborted():
+    sched = make_scheduler(num_pages=6, page_size=1)
+    req = make_request("a", [1, 2, 3, 4], max_new_tokens=10)
+    sched.add(req)
+    runner = FakeRunner(1)
+    for _ in range(3):  # the prompt, then two decodes fill the six pages
+        step(sched, runner)
+    assert sched.schedule() is None, "nothing left to run once the request is aborted"
+    assert req.finish.reason == "abort" and "KV cache exhausted" in req.finish.message
+    assert len(req.output_ids) == 3
+    assert_drained(sched)
+
+
+def test_new_token_ratio_decays_per_decode_step_to_floor():
+    sched = make_scheduler(init_new_token_ratio=0.5, min_new_token_ratio=0.1, new_token_ratio_decay_steps=4)
+    sched.add(make_request("a", [1, 2, 3], max_new_tokens=8))
+    runner = FakeRunner(4)
+    assert sched.ratio.value == 0.5
+    step(sched, runner)
+    assert sched.ratio.value == 0.5, "a prefill step does not decay the ratio"
+    values = []
+    for _ in range(6):
+        assert step(sched, runner).phase is Phase.DECODE
+        values.append(sched.ratio.value)
+    assert values == pytest.approx([0.4, 0.3, 0.2, 0.1, 0.1, 0.1])
+    run_to_completion(sched, runner)
+
+
+def test_new_token_ratio_resets_on_retraction():
+    sched, runner, _ = retraction_scenario(page_size=1)
+    while sched.stats.retractions == 0:
+        step(sched, runner)
+        if sched.stats.retractions == 0:
+            assert sched.ratio.value < 0.5
+    assert sched.ratio.value == 0.5, "a retraction puts the ratio back at its initial value"
+    run_to_completion(sched, runner)
+
+
+def test_reserve_for_running_output_holds_back_admission():
+    sched = make_scheduler(num_pages=36, page_size=1, init_new_token_ratio=1.0, min_new_token_ratio=1.0)
+    a = make_request("a", [1, 2, 3, 4], max_new_tokens=30)
+    sched.add(a)
+    runner = FakeRunner(1)
+    step(sched, runner)
+    b = make_request("b", [5, 6, 7, 8], max_new_tokens=2)
+    sched.add(b)
+    plan = step(sched, runner)
+    # 32 pages available, 29 reserved for a's output: b's 4 prompt tokens (+2 reserved) do not fit
+    assert plan.phase is Phase.DECODE and sched.waiting[0] is b
+    plans = run_to_completion(sched, runner)
+    assert sched.stats.retractions == 0
+    first_b = next(i for i, p in enumerate(plans) if any(s.rid == "b" for s in p.seqs))
+    assert [p.seqs[0].rid for p in plans[:first_b]] == ["a"] * 28, "b waited for all of a's decodes"
+    assert b.output_ids == [TOKEN] * 2
+
+
+# -- queue order -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy, first", [("fcfs", "x"), ("lpm", "y")])
+def test_lpm_admits_longest_cached_prefix_first(policy, first):
+    sched = make_scheduler(schedule_policy=policy, max_prefill_tokens=16)
+    runner = FakeRunner(4)
+    warm = list(range(100, 116))
+    sched.add(make_request("warm", warm, max_new_tokens=1))
+    run_to_completion(sched, runner)
+    assert sched.memory.cache.num_pages == 4
+
+    x = make_request("x", list(range(200, 216)))
+    y = make_request("y", warm[:12] + [1, 2, 3, 4])
+    sched.add(x)
+    sched.add(y)
+    plan = step(sched, runner)
+    assert [s.rid for s in plan.seqs] == [first]
+    if first == "y":
+        assert plan.seqs[0].start_pos == 12, "y starts after its cached prefix"
+    run_to_completion(sched, runner)
+    assert sched.stats.prefix_hit_tokens == 12
+    assert y.num_cached_prompt == 12 and x.num_cached_prompt == 0
+
+
+# -- aborts ----------------------------------------------------------------------------------------
+def test_abort_from_waiting_running_and_chunked_frees_everything():
+    sched = make_scheduler(max_running_requests=2, chunked_prefill_size=8)
+    running = make_request("running", [1, 2, 3], max_new_tokens=50)
+    chunked = make_request("chunked", list(range(100, 140)), max_new_tokens=50)
+    waiting = make_request("waiting", [7, 8, 9])
+    runner = FakeRunner(4)
+    sched.add(running)
+    step(sched, runner)
+    sched.add(chunked)
+    sched.add(waiting)
+    step(sched, runner)
+    assert sched.chunked is chunked and list(sched.waiting) == [waiting]
+
+    for req in (waiting, chunked, running):
+        assert sched.abort(req.rid, "client went away") is req
+        assert req.finished and req.finish.reason == "abort" and req.finish.message == "client went away"
+        assert req.slot is None and req.pages == []
+        sched.check_integrity()
+    assert sched.abort("nobody") is None
+    assert_drained(sched)
+
+
+def test_abort_while_the_pass_runs_skips_its_update():
+    sched = make_scheduler()
+    req = make_request("a", [1, 2, 3])
+    sched.add(req)
+    plan = sched.schedule()
+    sched.abort("a")
+    assert sched.update(plan, FakeRunner(4)(plan)) == []
+    assert req.output_ids == [] and req.finish.reason == "abort"
+    assert_drained(sched)
+
+
+# -- stopping --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "params, reason, matched, outputs",
+    [
+        ({}, "stop", EOS, [5, 6, EOS]),
+        ({"ignore_eos": True}, "length", None, [5, 6, EOS, 8, 9, 10]),
+        ({"stop_token_ids": (8,), "ignore_eos": True}, "stop", 8, [5, 6, EOS, 8]),
+        ({"stop_token_ids": (6,)}, "stop", 6, [5, 6]),
+    ],
+)
+def test_stop_conditions(params, reason, matched, outputs):
+    sched = make_scheduler()
+    req = make_request("a", [1, 3, 4], max_new_tokens=6, **params)
+    sched.add(req)
+    run_to_completion(sched, FakeRunner(4, script={"a": [5, 6, EOS, 8, 9, 10, 11]}))
+    assert req.output_ids == outputs
+    assert req.finish.reason == reason and req.finish.matched == matched
+
+
+def test_update_returns_requests_that_got_a_token():
+    sched = make_scheduler(chunked_prefill_size=8)
+    long, short = make_request("long", list(range(10)), max_new_tokens=1), make_request("short", [1])
+    sched.add(short)
+    sched.add(long)
+    runner = FakeRunner(4)
+    plan = sched.schedule()
+    assert [(s.rid, len(s.token_ids)) for s in plan.seqs] == [("short", 1), ("long", 4)]
+    touched = sched.update(plan, runner(plan))
+    assert touched == [short], "a prompt piece that does not sample gives nothing to publish"
+    run_to_completion(sched, runner)
+
+
+# -- whole runs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("mixed", [True, False])
+def test_many_requests_on_a_tight_pool_drain_cleanly(prefix_cache, mixed):
+    sched = make_scheduler(
+        num_pages=12, page_size=2, prefix_cache=prefix_cache, max_running_requests=4,
+        chunked_prefill_size=6, enable_mixed_chunk=mixed, init_new_token_ratio=0.3, min_new_token_ratio=0.0,
+    )
+    system = [40, 41, 42, 43, 44, 45]
+    reqs = [make_request(f"r{i}", system + [i] * (i % 4 + 1), max_new_tokens=3 + i % 5) for i in range(10)]
+    runner = FakeRunner(2)
+    for req in reqs:
+        sched.add(req)
+    run_to_completion(sched, runner)
+    assert sched.stats.retractions > 0, "the pool is meant to be tight enough to force retractions"
+    assert all(r.output_ids == [TOKEN] * r.max_new_tokens for r in reqs)
+    assert (sched.stats.prefix_hit_tokens > 0) == prefix_cache
