@@ -23,41 +23,48 @@ def run_offline_demo(config: EngineConfig, max_new_tokens: int) -> int:
     t0 = time.monotonic()
     print(f"loading {config.model} ({config.dtype}) ...", flush=True)
     engine = Engine(config)
-    print(f"loaded in {time.monotonic() - t0:.1f}s; KV pool {engine.max_total_tokens} tokens, "
-          f"page size {config.page_size}", flush=True)
+    print(
+        f"loaded in {time.monotonic() - t0:.1f}s; KV pool {engine.max_total_tokens} tokens, page size {config.page_size}",
+        flush=True,
+    )
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     with engine:
-        prompts = [
-            engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-            for q in QUESTIONS
-        ]
+        chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        prompts = [engine.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
         start = time.monotonic()
-        # All questions run together (continuous batching); the first answer streams live while
-        # the others are collected, then printed.
+        # All questions run together (continuous batching); each answer is collected by its own
+        # thread and streamed to the terminal in question order, with a progress line after it.
         streams = [engine.submit(engine.tokenizer.encode(p), params) for p in prompts]
-        totals = [0] * len(streams)
+        tokens = [0] * len(streams)
         texts = [""] * len(streams)
+        done = [threading.Event() for _ in streams]
 
-        def collect(i):
+        def collect(i: int) -> None:
             for out in streams[i]:
-                totals[i] = out.completion_tokens
+                tokens[i] = out.completion_tokens
                 texts[i] += out.text
+            done[i].set()
 
-        workers = [threading.Thread(target=collect, args=(i,)) for i in range(1, len(streams))]
-        for w in workers:
-            w.start()
-        print(f"\n>>> {QUESTIONS[0]}\n", flush=True)
-        for out in streams[0]:
-            totals[0] = out.completion_tokens
-            texts[0] += out.text
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-        for w in workers:
-            w.join()
+        for i in range(len(streams)):
+            threading.Thread(target=collect, args=(i,), daemon=True).start()
+        for i, question in enumerate(QUESTIONS):
+            print(f"\n>>> {question}", flush=True)
+            printed = 0
+            while True:  # stream answer i as it grows; the others keep generating meanwhile
+                finished = done[i].wait(0.05)
+                text = texts[i]
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+                if finished and printed == len(texts[i]):
+                    break
+            elapsed = time.monotonic() - start
+            print(
+                f"\n  [{sum(e.is_set() for e in done)}/{len(done)} answers done, {sum(tokens)} tokens, "
+                f"{sum(tokens) / elapsed:.1f} tokens/s]",
+                flush=True,
+            )
         elapsed = time.monotonic() - start
-        print()
-        for q, text in zip(QUESTIONS[1:], texts[1:]):
-            print(f"\n>>> {q}\n\n{text.strip()}")
-        total = sum(totals)
+        total = sum(tokens)
         print(f"\n[{len(streams)} requests, {total} tokens in {elapsed:.2f}s: {total / elapsed:.1f} tokens/s]")
     return 0

@@ -59,16 +59,14 @@ class RequestStream:
 
     def result(self) -> CompletedOutput:
         """Wait for the end; the whole output."""
-        submitted = self.request.arrival_time
-        ids, text, lps, tops, first, last = [], [], [], [], None, None
+        ids, text, lps, tops, last = [], [], [], [], None
         for out in self:
-            if out.token_ids and first is None:
-                first = time.monotonic() - submitted
             ids += out.token_ids
             text.append(out.text)
             lps += out.logprobs
             tops += out.top_logprobs
             last = out
+        first = self.request.first_token_time  # stamped by the scheduler when the token was made
         return CompletedOutput(
             rid=self.rid,
             prompt_tokens=last.prompt_tokens,
@@ -80,8 +78,8 @@ class RequestStream:
             cached_tokens=last.cached_tokens,
             logprobs=lps,
             top_logprobs=tops,
-            time_to_first_token=first,
-            latency=time.monotonic() - submitted,
+            time_to_first_token=None if first is None else first - self.request.arrival_time,
+            latency=time.monotonic() - self.request.arrival_time,
         )
 
 

@@ -4,6 +4,7 @@ share of future output reserved for requests already running."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Iterator
 from dataclasses import dataclass
 
 from tandem.server.memory import KVMemory
@@ -38,12 +39,18 @@ class NewTokenRatio:
         return int(min(req.remaining_new_tokens, RESERVE_CLIP_TOKENS) * self.value)
 
 
-def order_waiting(waiting: deque[Request], policy: str, memory: KVMemory) -> list[tuple[Request, PrefixMatch]]:
-    """The waiting queue in admission order, each with its current prefix-cache match."""
-    ordered = [(req, memory.match(req)) for req in waiting]
-    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
-        ordered.sort(key=lambda pair: -len(pair[1].pages))  # stable: ties stay first-come
-    return ordered
+def order_waiting(waiting: deque[Request], policy: str, memory: KVMemory) -> Iterator[tuple[Request, PrefixMatch]]:
+    """The waiting queue in admission order, each with its current prefix-cache match.
+
+    Each match is taken when its request's turn comes: admitting an earlier request may evict
+    cached pages, so a match computed before that could point at freed pages. Iterates over a
+    snapshot: the caller may remove admitted requests."""
+    order = list(waiting)
+    if policy == "lpm" and len(order) <= LPM_MAX_QUEUE:
+        matched = {id(req): len(memory.match(req).pages) for req in order}
+        order.sort(key=lambda req: -matched[id(req)])  # stable: ties stay first-come
+    for req in order:
+        yield req, memory.match(req)
 
 
 @dataclass

@@ -8,6 +8,7 @@ front of the waiting queue with its computed prefix left in the prefix cache.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -233,6 +234,8 @@ class Scheduler:
                 continue
             token = out.next_tokens[i]
             req.token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             if out.logprobs:
                 req.output_logprobs.append(out.logprobs[i])
             if out.top_logprobs:

@@ -94,8 +94,11 @@ def test_greedy_matches_reference(make_engine, workload, name):
 
 
 def test_retraction_keeps_outputs_exact(make_engine, workload):
-    # Room for the longest prompt plus its output, far from room for all of them at once.
-    engine = make_engine(page_size=16, chunked_prefill_size=256, max_total_tokens=2048)
+    # Room for the longest prompt plus its output, far from room for all of them at once; with no
+    # output reserve, admission packs the pool and the decodes' growth must retract.
+    engine = make_engine(
+        page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0, min_new_token_ratio=0.0
+    )
     run_and_compare(engine, workload, "small pool")
     assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was not small enough to retract"
 

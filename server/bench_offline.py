@@ -1,0 +1,111 @@
+"""`tandem bench offline`: one fixed-seed workload through tandem and, in the same run, through
+HF transformers static batches (the baseline), same weights and dtype. Prints output tokens/s
+for each and the ratio, as a table and as one JSON line.
+
+Every request generates exactly its drawn output length (greedy, EOS ignored). HF runs batches
+of `--hf-batch-size` in arrival order, left-padded, each until its longest request is done; only
+the requested tokens count towards its throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import torch
+
+from tandem.server.config import EngineConfig
+
+# Token ids drawn for prompts: plain vocabulary, clear of the special tokens at the bottom.
+VOCAB_RANGE = (100, 49000)
+
+
+def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int):
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_len)
+        work.append(([rng.randint(*VOCAB_RANGE) for _ in range(plen)], rng.randint(*output_len)))
+    return work
+
+
+def run_tandem(config: EngineConfig, work) -> dict:
+    from tandem.server.engine import Engine
+    from tandem.server.sampling_params import SamplingParams
+
+    engine = Engine(config)
+    with engine:
+        warm = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+        engine.generate([work[0][0][:32]], warm)
+        engine.flush_cache()
+        start = time.perf_counter()
+        streams = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)) for p, n in work]
+        results = [s.result() for s in streams]
+        elapsed = time.perf_counter() - start
+        steps = engine.call(lambda: engine.scheduler.stats.forward_steps)
+    tokens = sum(len(r.output_ids) for r in results)
+    assert tokens == sum(n for _, n in work), "tandem produced the wrong number of tokens"
+    ttft = sorted(r.time_to_first_token for r in results)
+    return {
+        "output_tokens": tokens,
+        "seconds": round(elapsed, 2),
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "forward_steps": steps,
+        "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
+    }
+
+
+def run_hf(config: EngineConfig, work, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tandem.server.model import DTYPES
+    from tandem.server.model.loader import resolve_model
+
+    source = resolve_model(config.model)
+    kwargs = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
+    model_dir = source.path.parent if source.kind == "gguf" else source.path
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[config.dtype], **kwargs).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def generate(batch):
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        n = max(m for _, m in batch)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad
+            )
+        assert out.shape[1] == width + n
+
+    generate([(work[0][0][:32], 4)])  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        generate(work[i : i + batch_size])
+    elapsed = time.perf_counter() - start
+    tokens = sum(n for _, n in work)
+    return {"output_tokens": tokens, "seconds": round(elapsed, 2), "tokens_per_s": round(tokens / elapsed, 1)}
+
+
+def run(config: EngineConfig, args) -> int:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+    print(
+        f"workload: {len(work)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
+        f"(total {sum(len(p) for p, _ in work)}), outputs {args.output_len[0]}-{args.output_len[1]} "
+        f"(total {sum(n for _, n in work)}), seed {args.workload_seed}, dtype {config.dtype}, "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
+    result = {"bench": "offline", "dtype": config.dtype, "num_requests": len(work)}
+    result["tandem"] = run_tandem(config, work)
+    print(f"tandem: {result['tandem']}", flush=True)
+    if not args.skip_hf:
+        result["hf_static_batches"] = run_hf(config, work, args.hf_batch_size)
+        print(f"HF transformers, static batches of {args.hf_batch_size}: {result['hf_static_batches']}", flush=True)
+        result["ratio"] = round(result["tandem"]["tokens_per_s"] / result["hf_static_batches"]["tokens_per_s"], 2)
+        print(f"tandem / HF = {result['ratio']}x", flush=True)
+    print(json.dumps(result))
+    return 0
