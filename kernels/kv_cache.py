@@ -21,10 +21,11 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        # Uninitialized on purpose: a slot is read only after it was written (backends pad with
-        # slots of the same sequence, never with unwritten ones).
-        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # Zeroed, not empty: backends read whole pages, including the unwritten tail of a
+        # sequence's last page. Masked scores drop those positions, but 0 * NaN is still NaN in
+        # softmax(QK) @ V, so every slot must always hold a finite value.
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -37,9 +38,10 @@ class PagedKVCache:
         return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' K and V at flat slots (page * page_size + offset)."""
-        self.flat_k(layer)[slots] = k
-        self.flat_v(layer)[slots] = v
+        """Store the new tokens' K and V at flat slots (page * page_size + offset), in the cache's
+        dtype (which may be narrower than the compute dtype)."""
+        self.flat_k(layer)[slots] = k.to(self.dtype)
+        self.flat_v(layer)[slots] = v.to(self.dtype)
 
 
 def flat_slots(pages: list[int], start: int, end: int, page_size: int) -> list[int]:

@@ -44,28 +44,28 @@ class TorchAttention(AttentionBackend):
             members = order[start : start + size]
             tables = [batch.page_tables[i] for i in members]
             width = max(len(t) for t in tables)
-            # Padding repeats each sequence's first page: always written, so never NaN garbage
-            # (a masked score times a NaN value would still poison the output).
+            # Padding repeats each sequence's first page (any finite page would do: masked out).
             pages = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], device=device)
             kv_lens = torch.tensor([batch.kv_lens[i] for i in members], device=device)
             mask = (torch.arange(width * P, device=device)[None, :] < kv_lens[:, None])[:, None, None, :]
             rows = torch.tensor([row + i - first for i in members], device=device)
             self.decode_buckets.append((rows, pages, mask))
 
-    def _gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `pages` ([...] page ids) as [..., len * page_size, kv_heads, head_dim]."""
+    def _gather(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `pages` ([...] page ids) as [..., len * page_size, kv_heads, head_dim], in
+        `dtype` (the compute dtype; the cache may store a narrower one)."""
         c = self.kv_cache
         shape = (*pages.shape[:-1], pages.shape[-1] * c.page_size, c.num_kv_heads, c.head_dim)
         flat = pages.reshape(-1)
         k = c.k[layer].flatten(1).index_select(0, flat).view(shape)
         v = c.v[layer].flatten(1).index_select(0, flat).view(shape)
-        return k, v
+        return k.to(dtype), v.to(dtype)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_cache.write(layer, self.out_slots, k, v)
         out = torch.empty_like(q)
         for row, q_len, kv_len, pages, mask in self.extends:
-            ki, vi = self._gather(layer, pages)
+            ki, vi = self._gather(layer, pages, q.dtype)
             qi = q[row : row + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             ki = ki[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len, D]
             vi = vi[:kv_len].transpose(0, 1).unsqueeze(0)
@@ -74,7 +74,7 @@ class TorchAttention(AttentionBackend):
             )
             out[row : row + q_len] = oi[0].transpose(0, 1)
         for rows, pages, mask in self.decode_buckets:
-            kd, vd = self._gather(layer, pages)  # [b, L, KVH, D]
+            kd, vd = self._gather(layer, pages, q.dtype)  # [b, L, KVH, D]
             qd = q.index_select(0, rows).unsqueeze(2)  # [b, H, 1, D]
             od = F.scaled_dot_product_attention(
                 qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True

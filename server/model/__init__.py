@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import ModelLoadError, ModelSource, load_weights, resolve_model
+
+log = logging.getLogger("tandem.model")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,7 +22,8 @@ class LoadedModel:
     config: ModelConfig
     module: LlamaForCausalLM
     tokenizer: object  # a transformers tokenizer
-    dtype: torch.dtype
+    dtype: torch.dtype  # precision of the weights and of the KV cache (--dtype)
+    compute_dtype: torch.dtype  # what the math runs in: dtype, or float32 where dtype is emulated
     device: torch.device
 
     @property
@@ -36,6 +40,23 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+_CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to do math in. A CPU without bf16/fp16 instructions emulates them 2-4x slower
+    than float32 (measured: GEMMs and SDPA); there the weights keep their 16-bit values (rounded
+    at load) and the KV cache its 16-bit storage, but the arithmetic runs in float32."""
+    if device.type != "cpu" or dtype not in _CPU_HALF_FLAGS:
+        return dtype
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return dtype if any(flag in flags for flag in _CPU_HALF_FLAGS[dtype]) else torch.float32
+
+
 def load_model(model: str, dtype: str, device: str) -> LoadedModel:
     from tandem.server.tokenizer import load_tokenizer
 
@@ -44,8 +65,11 @@ def load_model(model: str, dtype: str, device: str) -> LoadedModel:
     source = resolve_model(model)
     config, weights = load_weights(source)
     dev = resolve_device(device)
-    module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev)
-    return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], dev)
+    compute = compute_dtype_for(DTYPES[dtype], dev)
+    if compute != DTYPES[dtype]:
+        log.info("%s weights and KV cache, float32 math: this CPU has no native %s instructions", dtype, dtype)
+    module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute)
+    return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev)
 
 
-__all__ = ["LoadedModel", "ModelConfig", "ModelLoadError", "load_model", "resolve_device", "DTYPES"]
+__all__ = ["LoadedModel", "ModelConfig", "ModelLoadError", "load_model", "resolve_device", "compute_dtype_for", "DTYPES"]

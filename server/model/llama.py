@@ -82,10 +82,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device,
+        compute_dtype: torch.dtype | None = None,
+    ):
+        """Weights are rounded to `dtype` and held (and computed with) in `compute_dtype`
+        (default: `dtype`)."""
         super().__init__()
         self.config = config
-        w = {k: v.to(dtype=dtype) for k, v in weights.items() if k != "rope_freqs"}
+        compute_dtype = compute_dtype or dtype
+        w = {k: v.to(dtype=dtype).to(compute_dtype) for k, v in weights.items() if k != "rope_freqs"}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, w) for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
