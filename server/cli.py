@@ -12,12 +12,12 @@ from pathlib import Path
 from tandem.server.config import EngineConfig
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, overrides: dict | None = None) -> None:
-    """One flag per EngineConfig field: --field-name, typed and documented from the dataclass."""
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+def add_config_arguments(parser: argparse.ArgumentParser, cls=EngineConfig) -> None:
+    """One flag per field of a config dataclass: --field-name, typed and documented from it."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        default = (overrides or {}).get(f.name, f.default)
+        default = f.default
         hint = hints[f.name]
         kwargs: dict = {"default": default, "help": f"{f.metadata['help']} (default: {default})"}
         if hint is bool:
@@ -30,8 +30,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, overrides: dict | None
         parser.add_argument(flag, **kwargs)
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+def config_from_args(args: argparse.Namespace, cls=EngineConfig):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +115,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from tandem.server.serve import ServeConfig, run
+
+    try:
+        return run(config_from_args(args), config_from_args(args, ServeConfig))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_client_generate(args) -> int:
+    from tandem.server.client import generate
+
+    return generate(args)
+
+
+def cmd_chat(args) -> int:
+    from tandem.server.client import chat
+
+    return chat(args)
+
+
+def cmd_bench_serve(args) -> int:
+    from tandem.server.bench_serve import run
+
+    return run(args)
+
+
 def cmd_demo(args) -> int:
     from tandem.server.demo import run_offline_demo
 
@@ -149,6 +177,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from tandem.server.serve import ServeConfig
+
+    serve = sub.add_parser("serve", help="serve SGLang's gRPC scheduler protocol, health and /metrics")
+    add_config_arguments(serve, ServeConfig)
+    add_config_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    client = sub.add_parser("client", help="talk to a running server")
+    client_sub = client.add_subparsers(dest="client", required=True)
+    cgen = client_sub.add_parser("generate", help="tokenize locally, stream the answer, print TTFT and tokens/s")
+    cgen.add_argument("--target", default="127.0.0.1:30000", help="HOST:PORT of a tandem server")
+    cgen.add_argument("--prompt", required=True)
+    cgen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    cgen.add_argument("--model", default=EngineConfig.model, help="where the tokenizer comes from")
+    _sampling_arguments(cgen)
+    cgen.set_defaults(func=cmd_client_generate)
+
+    chat = sub.add_parser("chat", help="chat with a running server (one line per turn; empty line or EOF ends)")
+    chat.add_argument("--target", default="127.0.0.1:30000")
+    chat.add_argument("--model", default=EngineConfig.model)
+    _sampling_arguments(chat)
+    chat.set_defaults(func=cmd_chat)
+
     demo = sub.add_parser("demo", help="load the built-in model and stream a few answers")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     add_config_arguments(demo)
@@ -165,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--skip-hf", action="store_true", help="run tandem only")
     add_config_arguments(off)
     off.set_defaults(func=cmd_bench_offline)
+
+    bserve = bench_sub.add_parser("serve", help="drive a running server with a fixed-seed streaming workload")
+    bserve.add_argument("--target", default="127.0.0.1:30000", help="HOST:PORT: a tandem gRPC server, or the router with --openai")
+    bserve.add_argument("--openai", action="store_true", help="target is an OpenAI-compatible HTTP endpoint (the router)")
+    bserve.add_argument("--model", default=EngineConfig.model, help="tokenizer source (and the model name for --openai)")
+    bserve.add_argument("--num-requests", type=int, default=32)
+    bserve.add_argument("--concurrency", type=int, default=8)
+    bserve.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    bserve.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    bserve.add_argument("--workload-seed", type=int, default=1)
+    bserve.set_defaults(func=cmd_bench_serve)
 
     exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer files into DIR")
     exp.add_argument("dir")

@@ -33,6 +33,7 @@ class EngineConfig:
         0.25, "fraction of free device memory given to the KV pool when --max-total-tokens is unset"
     )
     max_running_requests: int = _opt(64, "requests that may hold a slot (prefilling or decoding) at once")
+    max_queued_requests: int = _opt(1024, "requests that may wait beyond the running ones; more are refused")
     max_prefill_tokens: int = _opt(8192, "prompt tokens admitted into one forward pass")
     chunked_prefill_size: int = _opt(2048, "longest prompt piece prefilled in one step; 0 disables chunking")
     enable_mixed_chunk: bool = _opt(False, "run a prefill chunk in the same forward pass as the running decodes")
@@ -53,6 +54,7 @@ class EngineConfig:
         checks = [
             ("page_size", self.page_size >= 1, ">= 1"),
             ("max_running_requests", self.max_running_requests >= 1, ">= 1"),
+            ("max_queued_requests", self.max_queued_requests >= 0, ">= 0"),
             ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
             ("chunked_prefill_size", self.chunked_prefill_size == 0 or self.chunked_prefill_size >= self.page_size,
              f"0 (disabled) or >= page_size ({self.page_size})"),

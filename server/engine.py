@@ -28,8 +28,9 @@ from tandem.server.model import LoadedModel, load_model
 from tandem.server.outputs import CompletedOutput, StreamOutput
 from tandem.server.request import Finish, Request
 from tandem.server.runner import ModelRunner
-from tandem.server.sampling_params import InvalidRequestError, SamplingParams
+from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
 from tandem.server.scheduler import Scheduler, SchedulerConfig
+from tandem.server.stats import EngineSnapshot, StatsObserver
 from tandem.server.stop_strings import StopStringMatcher
 from tandem.server.tokenizer import IncrementalDetokenizer
 
@@ -92,10 +93,11 @@ class _Live:
     stops: StopStringMatcher
     released: int = 0  # characters of detok.text already sent
     sent_tokens: int = 0  # output tokens already sent
+    last_token_time: float = 0.0
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, observer: StatsObserver | None = None):
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -107,7 +109,7 @@ class Engine:
         self.eos_token_ids = self.model.eos_token_ids
         num_pages = self._num_kv_pages()
         self.kv_cache = PagedKVCache(
-            mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.model.dtype, self.model.device
+            mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.model.compute_dtype, self.model.device
         )
         self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache)
         self.scheduler = Scheduler(self._scheduler_config(), self.memory)
@@ -119,6 +121,10 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self._counter = itertools.count()
         self._stopped = threading.Event()
+        self.observer = observer or StatsObserver()
+        self._generated = self._finished = self._aborted = 0
+        self.snapshot = EngineSnapshot()
+        self._publish_snapshot()
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -139,7 +145,7 @@ class Engine:
         c, mc = self.config, self.model.config
         if c.max_total_tokens is not None:
             return c.max_total_tokens // c.page_size
-        per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.model.dtype)
+        per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.model.compute_dtype)
         budget = int(free_memory_bytes(self.model.device) * c.kv_memory_fraction)
         # Never more than the context length times the slot count: the rest could never be used.
         cap = self.context_length * c.max_running_requests
@@ -156,9 +162,12 @@ class Engine:
         if self._stopped.is_set():
             raise RuntimeError("the engine is shut down")
         request = self._make_request(prompt, params or SamplingParams(), rid)
+        limit = self.config.max_running_requests + self.config.max_queued_requests
         with self._rids_lock:
             if request.rid in self._rids:
                 raise InvalidRequestError("rid", f"request id {request.rid!r} is already in use")
+            if len(self._rids) >= limit:
+                raise CapacityError("queue", f"{len(self._rids)} requests in flight, the limit is {limit} (--max-queued-requests)")
             self._rids.add(request.rid)
         stream = RequestStream(self, request)
         self._inbox.put(("add", stream))
@@ -227,7 +236,7 @@ class Engine:
                 "prompt", f"{n} tokens leave no room for output in the context length {ctx} (at most {ctx - 1})"
             )
         if n >= pool:
-            raise InvalidRequestError(
+            raise CapacityError(
                 "prompt", f"{n} tokens do not fit the KV pool of {pool} tokens (--max-total-tokens; at most {pool - 1})"
             )
         limit = min(ctx, pool) - n
@@ -272,6 +281,26 @@ class Engine:
             time.sleep(0.001)  # nothing fits right now; let inbox traffic (aborts) through
         for live in [lv for lv in self._live.values() if lv.stream.request.finished]:
             self._publish(live.stream.request)  # ended without a token (abort, KV exhaustion)
+        self._publish_snapshot()
+
+    def _publish_snapshot(self) -> None:
+        """Swap in a fresh EngineSnapshot: any thread may read `self.snapshot` at any time."""
+        sched, mem = self.scheduler, self.memory
+        self.snapshot = EngineSnapshot(
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            kv_pages_total=mem.num_pages,
+            kv_pages_used=mem.used_pages,
+            page_size=mem.page_size,
+            prompt_tokens=sched.stats.prefix_query_tokens,
+            generation_tokens=self._generated,
+            prefix_query_tokens=sched.stats.prefix_query_tokens,
+            prefix_hit_tokens=sched.stats.prefix_hit_tokens,
+            retractions=sched.stats.retractions,
+            requests_finished=self._finished,
+            requests_aborted=self._aborted,
+            forward_steps=sched.stats.forward_steps,
+        )
 
     def _drain(self, block: bool) -> bool:
         """Apply inbox commands; returns False once asked to stop."""
@@ -305,6 +334,15 @@ class Engine:
         if live is None:
             return
         new_ids = req.token_ids[req.prompt_len + live.sent_tokens :]
+        if new_ids:
+            now = time.monotonic()
+            if live.sent_tokens == 0:
+                queued = (req.admit_time or now) - req.arrival_time
+                self.observer.on_first_token(queued, (req.first_token_time or now) - req.arrival_time)
+            else:
+                self.observer.on_tokens(now - live.last_token_time, len(new_ids))
+            live.last_token_time = now
+            self._generated += len(new_ids)
         live.sent_tokens += len(new_ids)
         for token in new_ids:
             live.detok.push(token)
@@ -333,6 +371,9 @@ class Engine:
             top_logprobs=req.output_top_logprobs[-n_new:] if n_new and req.output_top_logprobs else [],
         )
         if req.finished:
+            self._finished += 1
+            self._aborted += finish.reason == "abort"
+            self.observer.on_finish(time.monotonic() - req.arrival_time)
             self._close(live, out)
         else:
             live.stream._queue.put(out)

@@ -49,7 +49,8 @@ class Request:
     num_computed: int = 0  # leading tokens whose KV is written in `pages`
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on first admission
     num_retractions: int = 0
-    first_token_time: float | None = None
+    admit_time: float | None = None  # first admission (monotonic), stamped by the scheduler
+    first_token_time: float | None = None  # first output token (monotonic), stamped by the scheduler
 
     @property
     def num_tokens(self) -> int:

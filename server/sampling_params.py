@@ -18,6 +18,11 @@ class InvalidRequestError(ValueError):
         self.field = field
 
 
+class CapacityError(InvalidRequestError):
+    """The request is well-formed but exceeds what this server can hold: its KV pool, or its
+    queue. Servers answer RESOURCE_EXHAUSTED (HTTP 429) rather than INVALID_ARGUMENT."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.

@@ -139,6 +139,7 @@ class Scheduler:
             req.status = Status.RUNNING
             slots_left -= 1
             if req.num_retractions == 0:
+                req.admit_time = time.monotonic()
                 self.stats.prefix_query_tokens += req.prompt_len
                 self.stats.prefix_hit_tokens += cached
                 req.num_cached_prompt = cached

@@ -22,8 +22,8 @@ class LoadedModel:
     config: ModelConfig
     module: LlamaForCausalLM
     tokenizer: object  # a transformers tokenizer
-    dtype: torch.dtype  # precision of the weights and of the KV cache (--dtype)
-    compute_dtype: torch.dtype  # what the math runs in: dtype, or float32 where dtype is emulated
+    dtype: torch.dtype  # precision of the weights (--dtype)
+    compute_dtype: torch.dtype  # what the math and the KV cache use: dtype, or float32 where dtype is emulated
     device: torch.device
 
     @property
@@ -44,9 +44,10 @@ _CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: (
 
 
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype to do math in. A CPU without bf16/fp16 instructions emulates them 2-4x slower
-    than float32 (measured: GEMMs and SDPA); there the weights keep their 16-bit values (rounded
-    at load) and the KV cache its 16-bit storage, but the arithmetic runs in float32."""
+    """The dtype to do math in (and keep the KV cache in). A CPU without bf16/fp16 instructions
+    emulates them 2-4x slower than float32 (measured: GEMMs and SDPA); there the weights keep
+    their 16-bit values (rounded at load) but the arithmetic runs in float32. The KV cache follows
+    the math: a 16-bit cache would cost a conversion of every gathered page on every layer."""
     if device.type != "cpu" or dtype not in _CPU_HALF_FLAGS:
         return dtype
     try:
@@ -67,7 +68,7 @@ def load_model(model: str, dtype: str, device: str) -> LoadedModel:
     dev = resolve_device(device)
     compute = compute_dtype_for(DTYPES[dtype], dev)
     if compute != DTYPES[dtype]:
-        log.info("%s weights and KV cache, float32 math: this CPU has no native %s instructions", dtype, dtype)
+        log.info("%s weights, float32 math and KV cache: this CPU has no native %s instructions", dtype, dtype)
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute)
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev)
 

@@ -1,0 +1,118 @@
+"""`tandem bench serve`: drive a running server with a fixed-seed streaming workload, at a fixed
+concurrency, over gRPC (SGLang's protocol, straight to a tandem server) or over the router's
+OpenAI-compatible HTTP endpoint. Prints output tokens/s, TTFT and TPOT percentiles as one JSON line.
+
+Every request is greedy, ignores EOS and asks for exactly its drawn output length.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tandem.server.bench_offline import make_workload
+from tandem.server.sampling_params import SamplingParams
+
+
+@dataclass
+class Sample:
+    output_tokens: int
+    ttft: float
+    latency: float
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def _grpc_runner(target: str):
+    from tandem.server.client import Client, request_message
+
+    client = Client(target)
+
+    def run_one(prompt: list[int], n: int) -> Sample:
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        result = client.stream(request_message(prompt, params))
+        return Sample(len(result.output_ids), result.ttft or result.latency, result.latency)
+
+    return run_one, client.close
+
+
+def _openai_runner(target: str, model_name: str, tokenizer):
+    host, port = target.rsplit(":", 1)
+
+    def run_one(prompt: list[int], n: int) -> Sample:
+        body = json.dumps({
+            "model": model_name, "prompt": tokenizer.decode(prompt), "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        })
+        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        ttft, chunks, usage = None, 0, None
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if any(c.get("text") for c in event.get("choices", [])):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+        latency = time.perf_counter() - start
+        conn.close()
+        tokens = usage["completion_tokens"] if usage else chunks
+        return Sample(tokens, ttft or latency, latency)
+
+    return run_one, lambda: None
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def run(args) -> int:
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.tokenizer import load_tokenizer
+
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+    if args.openai:
+        source = resolve_model(args.model)
+        run_one, close = _openai_runner(args.target, source.name, load_tokenizer(source))
+    else:
+        run_one, close = _grpc_runner(args.target)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        samples = list(pool.map(lambda w: run_one(*w), work))
+    elapsed = time.perf_counter() - start
+    close()
+    tokens = sum(s.output_tokens for s in samples)
+    ttfts = [s.ttft for s in samples]
+    tpots = [s.tpot for s in samples if s.tpot is not None]
+    result = {
+        "bench": "serve",
+        "transport": "openai-http" if args.openai else "grpc",
+        "num_requests": len(work),
+        "concurrency": args.concurrency,
+        "output_tokens": tokens,
+        "seconds": round(elapsed, 2),
+        "output_tokens_per_s": round(tokens / elapsed, 1),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p99_s": round(percentile(ttfts, 99), 3),
+        "tpot_p50_ms": round(percentile(tpots, 50) * 1000, 1),
+        "tpot_p99_ms": round(percentile(tpots, 99) * 1000, 1),
+        "tpot_mean_ms": round(statistics.mean(tpots) * 1000, 1),
+    }
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,167 @@
+"""A small gRPC client for people and benchmarks: tokenizes locally, streams token ids from a
+tandem server (SGLang's scheduler protocol), detokenizes as they arrive."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+from tandem.server.sampling_params import SamplingParams
+
+
+@dataclass
+class ClientResult:
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None  # seconds from sending to the first token
+    token_times: list[float] = field(default_factory=list)  # arrival time of each chunk's tokens
+    latency: float = 0.0
+
+
+def request_message(prompt_ids: list[int], params: SamplingParams, rid: str | None = None, stream: bool = True) -> pb.GenerateRequest:
+    sp = pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        repetition_penalty=params.repetition_penalty,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        skip_special_tokens=True,
+        n=1,
+    )
+    if params.max_new_tokens is not None:
+        sp.max_new_tokens = params.max_new_tokens
+    return pb.GenerateRequest(
+        request_id=rid or uuid.uuid4().hex,
+        tokenized=pb.TokenizedInput(input_ids=prompt_ids),
+        sampling_params=sp,
+        return_logprob=params.logprobs,
+        stream=stream,
+    )
+
+
+class Client:
+    def __init__(self, target: str):
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stream(self, message: pb.GenerateRequest, on_tokens=None, timeout: float | None = None) -> ClientResult:
+        """Run one Generate call; `on_tokens(ids)` sees each chunk's new ids as they arrive."""
+        result = ClientResult()
+        start = time.perf_counter()
+        for response in self.stub.Generate(message, timeout=timeout):
+            now = time.perf_counter()
+            if response.HasField("chunk"):
+                ids = list(response.chunk.token_ids)
+                if result.ttft is None:
+                    result.ttft = now - start
+                result.token_times.append(now)
+                result.output_ids += ids
+                if on_tokens:
+                    on_tokens(ids)
+            else:
+                c = response.complete
+                result.finish_reason = c.finish_reason
+                result.prompt_tokens = c.prompt_tokens
+                result.cached_tokens = c.cached_tokens
+                if not message.stream:
+                    result.output_ids = list(c.output_ids)
+        result.latency = time.perf_counter() - start
+        return result
+
+    def abort(self, rid: str) -> bool:
+        return self.stub.Abort(pb.AbortRequest(request_id=rid)).success
+
+
+def _load_tokenizer(model: str):
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(model))
+
+
+def _params(args) -> SamplingParams:
+    from tandem.server.cli import _sampling_params
+
+    return _sampling_params(args)
+
+
+def _stream_to_terminal(client: Client, tokenizer, prompt_ids: list[int], params: SamplingParams) -> tuple[ClientResult, str]:
+    from tandem.server.tokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer)
+
+    def show(ids):
+        for token in ids:
+            sys.stdout.write(detok.push(token))
+        sys.stdout.flush()
+
+    result = client.stream(request_message(prompt_ids, params), on_tokens=show)
+    return result, detok.text
+
+
+def _report(result: ClientResult) -> None:
+    n = len(result.output_ids)
+    decode_time = result.latency - (result.ttft or 0.0)
+    rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0
+    ttft = f"{result.ttft * 1000:.0f} ms" if result.ttft is not None else "n/a"
+    print(f"\n[{n} tokens, {result.finish_reason}; TTFT {ttft}, {rate:.1f} tokens/s]", file=sys.stderr)
+
+
+def generate(args) -> int:
+    tokenizer = _load_tokenizer(args.model)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    client = Client(args.target)
+    try:
+        result, _ = _stream_to_terminal(client, tokenizer, tokenizer.encode(text), _params(args))
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    _report(result)
+    return 0
+
+
+def chat(args) -> int:
+    tokenizer = _load_tokenizer(args.model)
+    client = Client(args.target)
+    history = []
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            try:
+                result, answer = _stream_to_terminal(client, tokenizer, tokenizer.encode(text), _params(args))
+            except grpc.RpcError as e:
+                print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+                history.pop()
+                continue
+            history.append({"role": "assistant", "content": answer})
+            _report(result)
+    finally:
+        client.close()
+    return 0

@@ -1,0 +1,290 @@
+"""SGLang's scheduler protocol (`sglang.grpc.scheduler.SglangScheduler`) over the Engine.
+
+Protobuf stays in this module: requests become token lists and SamplingParams, engine outputs
+become GenerateResponse messages. Errors are gRPC status codes: INVALID_ARGUMENT for input that can
+never be served (the message names the field), RESOURCE_EXHAUSTED when the server is full or the
+request can never fit its KV pool, UNAVAILABLE while loading or draining.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import threading
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.protobuf import struct_pb2, timestamp_pb2
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from tandem.server.engine import Engine
+from tandem.server.outputs import StreamOutput
+from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
+
+log = logging.getLogger("tandem.grpc")
+
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+MAX_N = 16  # choices per request
+
+
+@dataclass(frozen=True)
+class ServerIdentity:
+    """What the servicer reports about itself (GetModelInfo / GetServerInfo)."""
+
+    served_model_name: str
+    model_path: str
+    tokenizer_path: str  # an absolute local directory with tokenizer.json and the chat template
+    role: str  # colocated | prefill | decode
+    server_args: dict  # flat, JSON-able: what GetServerInfo.server_args carries
+    version: str
+
+
+class ServingState:
+    """Ready -> draining. Thread-safe flags read by every RPC."""
+
+    def __init__(self):
+        self.started = time.time()
+        self._draining = threading.Event()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def drain(self) -> None:
+        self._draining.set()
+
+
+def to_sampling_params(sp: pb.SamplingParams, request: pb.GenerateRequest) -> SamplingParams:
+    """Proto -> engine params. Proto3 scalars have no 'unset' (0 is the default), so the router
+    always sends every field; only max_new_tokens has explicit presence."""
+    if sp.WhichOneof("constraint") is not None:
+        raise InvalidRequestError("sampling_params.constraint", "structured output (regex/json_schema/ebnf) is not supported")
+    if request.top_logprobs_num < 0:
+        raise InvalidRequestError("top_logprobs_num", f"must be >= 0, got {request.top_logprobs_num}")
+    return SamplingParams(
+        max_new_tokens=sp.max_new_tokens if sp.HasField("max_new_tokens") else None,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logprobs=request.return_logprob,
+        top_logprobs=request.top_logprobs_num if request.return_logprob else 0,
+    )
+
+
+def _logprobs(out_ids: list[int], lps: list[float], tops: list) -> pb.OutputLogProbs:
+    msg = pb.OutputLogProbs(token_logprobs=lps, token_ids=out_ids)
+    for alternatives in tops:
+        msg.top_logprobs.add(token_ids=[t for t, _ in alternatives], values=[v for _, v in alternatives])
+    return msg
+
+
+class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
+    def __init__(self, engine: Engine, identity: ServerIdentity, state: ServingState):
+        self.engine = engine
+        self.identity = identity
+        self.state = state
+        self._choices: dict[str, list[str]] = {}  # request_id -> engine rids of its n choices
+        self._lock = threading.Lock()
+
+    # -- Generate ---------------------------------------------------------------------------------
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        if self.state.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        rid = request.request_id
+        try:
+            if not rid:
+                raise InvalidRequestError("request_id", "must not be empty")
+            params = to_sampling_params(request.sampling_params, request)
+            n = request.sampling_params.n or 1
+            if n > MAX_N:
+                raise InvalidRequestError("sampling_params.n", f"{n} choices requested; at most {MAX_N}")
+            prompt = list(request.tokenized.input_ids)
+            streams = self._submit(rid, prompt, params, n)
+        except CapacityError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        cancelled = threading.Event()
+
+        def on_done():  # the call ended: finished, or cancelled by the client (then it is an abort)
+            cancelled.set()
+            for s in streams:
+                s.abort()
+
+        context.add_callback(on_done)
+        try:
+            for index, stream in enumerate(streams):
+                yield from self._respond(rid, index, stream, request.stream, cancelled)
+        finally:
+            with self._lock:
+                self._choices.pop(rid, None)
+
+    def _submit(self, rid: str, prompt: list[int], params: SamplingParams, n: int):
+        rids = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
+        with self._lock:
+            if rid in self._choices:
+                raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
+            self._choices[rid] = rids
+        streams = []
+        try:
+            for r in rids:
+                streams.append(self.engine.submit(prompt, params, rid=r))
+        except Exception:
+            for s in streams:
+                s.abort()
+            with self._lock:
+                self._choices.pop(rid, None)
+            raise
+        return streams
+
+    def _respond(self, rid: str, index: int, stream, streaming: bool, cancelled: threading.Event):
+        ids: list[int] = []
+        lps: list[float] = []
+        tops: list = []
+        last: StreamOutput | None = None
+        for out in stream:
+            last = out
+            ids += out.token_ids
+            lps += out.logprobs
+            tops += out.top_logprobs
+            if streaming and out.token_ids:
+                chunk = pb.GenerateStreamChunk(
+                    token_ids=out.token_ids,
+                    prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens,
+                    cached_tokens=out.cached_tokens,
+                    index=index,
+                )
+                if out.logprobs:
+                    chunk.output_logprobs.CopyFrom(_logprobs(out.token_ids, out.logprobs, out.top_logprobs))
+                yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+        if cancelled.is_set() and last is not None and last.finish_reason == "abort":
+            return  # the client is gone; nobody reads a Complete
+        complete = pb.GenerateComplete(
+            output_ids=ids,
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            cached_tokens=last.cached_tokens,
+            index=index,
+        )
+        if isinstance(last.matched_stop, int):
+            complete.matched_token_id = last.matched_stop
+        elif isinstance(last.matched_stop, str):
+            complete.matched_stop_str = last.matched_stop
+        if lps:
+            complete.output_logprobs.CopyFrom(_logprobs(ids, lps, tops))
+        yield pb.GenerateResponse(request_id=rid, complete=complete)
+
+    def Abort(self, request: pb.AbortRequest, context):
+        with self._lock:
+            rids = self._choices.get(request.request_id, [request.request_id])
+        for r in rids:
+            self.engine.abort(r)  # idempotent; unknown ids are fine
+        return pb.AbortResponse(success=True, message=f"aborted {request.request_id}")
+
+    # -- health and info --------------------------------------------------------------------------
+    def HealthCheck(self, request, context):
+        if self.state.draining:
+            return pb.HealthCheckResponse(healthy=False, message="draining")
+        return pb.HealthCheckResponse(healthy=True, message="ok")
+
+    def GetModelInfo(self, request, context):
+        e, mc, ident = self.engine, self.engine.model.config, self.identity
+        tok = e.tokenizer
+        return pb.GetModelInfoResponse(
+            model_path=ident.model_path,
+            tokenizer_path=ident.tokenizer_path,
+            is_generation=True,
+            served_model_name=ident.served_model_name,
+            max_context_length=e.context_length,
+            vocab_size=mc.vocab_size,
+            model_type=mc.architecture,
+            eos_token_ids=sorted(e.eos_token_ids),
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+            bos_token_id=mc.bos_token_id or 0,
+            max_req_input_len=min(e.context_length, e.max_total_tokens) - 1,
+            architectures=[{"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(mc.architecture, "LlamaForCausalLM")],
+        )
+
+    def GetServerInfo(self, request, context):
+        args = struct_pb2.Struct()
+        args.update(self.identity.server_args)
+        snap = self.engine.snapshot
+        started = timestamp_pb2.Timestamp()
+        started.FromSeconds(int(self.state.started))
+        return pb.GetServerInfoResponse(
+            server_args=args,
+            active_requests=snap.running + snap.waiting,
+            is_paused=self.state.draining,
+            uptime_seconds=time.time() - self.state.started,
+            sglang_version=self.identity.version,
+            server_type="grpc",
+            start_time=started,
+            max_total_num_tokens=self.engine.max_total_tokens,
+        )
+
+    def GetLoads(self, request, context):
+        snap = self.engine.snapshot
+        used_tokens = snap.kv_pages_used * snap.page_size
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=snap.running,
+            num_waiting_reqs=snap.waiting,
+            num_total_reqs=snap.running + snap.waiting,
+            num_used_tokens=used_tokens,
+            max_total_num_tokens=self.engine.max_total_tokens,
+            token_usage=snap.token_usage,
+            cache_hit_rate=snap.prefix_hit_tokens / snap.prefix_query_tokens if snap.prefix_query_tokens else 0.0,
+            utilization=snap.running / self.engine.config.max_running_requests,
+            max_running_requests=self.engine.config.max_running_requests,
+        )
+        load.memory.token_capacity = self.engine.max_total_tokens
+        load.queues.waiting = snap.waiting
+        load.disaggregation.mode = self.identity.role if self.identity.role != "colocated" else "null"
+        now = timestamp_pb2.Timestamp()
+        now.GetCurrentTime()
+        response = pb.GetLoadsResponse(timestamp=now.ToJsonString(), version=self.identity.version, dp_rank_count=1, loads=[load])
+        agg = response.aggregate
+        agg.total_running_reqs, agg.total_waiting_reqs = snap.running, snap.waiting
+        agg.total_reqs, agg.avg_token_usage = snap.running + snap.waiting, snap.token_usage
+        return response
+
+    def GetTokenizer(self, request, context):
+        data = tokenizer_archive(Path(self.identity.tokenizer_path))
+        digest = hashlib.sha256(data).hexdigest()
+        for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            last = start + TOKENIZER_CHUNK_BYTES >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[start : start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else "")
+
+    def FlushCache(self, request, context):
+        ok = self.engine.flush_cache()
+        message = "prefix cache flushed" if ok else "not flushed: running requests pin cached pages"
+        return common_pb2.FlushCacheResponse(success=ok, message=message)
+
+
+def tokenizer_archive(directory: Path) -> bytes:
+    """The tokenizer directory as a ZIP (flat, regular files only)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in sorted(directory.iterdir()):
+            if path.is_file():
+                zf.write(path, arcname=path.name)
+    return buf.getvalue()
+
+
+def add_to_server(servicer: SchedulerServicer, server: grpc.Server) -> None:
+    pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)

@@ -1,0 +1,116 @@
+"""Prometheus metrics. This module owns every prometheus_client object of the server.
+
+Names: `tandem_` prefix, unit suffix, `_total` on counters; labels `role` and `model` only.
+Gauges and counters are read from the engine's latest EngineSnapshot at scrape time; histograms
+are fed by the engine's StatsObserver callbacks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tandem.server.stats import EngineSnapshot, StatsObserver
+
+# From 1 ms (a GPU decode step) to two minutes (a long CPU request under load).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+)
+
+LABELS = ("role", "model")
+
+# name -> (help, snapshot field); the PD queues read 0 until a role fills them.
+GAUGES = {
+    "tandem_num_requests_running": ("Requests holding a slot (prefilling or decoding)", "running"),
+    "tandem_num_requests_waiting": ("Requests in the waiting queue", "waiting"),
+    "tandem_kv_pages_total": ("Pages in the KV pool", "kv_pages_total"),
+    "tandem_kv_pages_used": ("KV pages used by requests (not free, not evictable cache)", "kv_pages_used"),
+    "tandem_kv_page_size_tokens": ("Tokens per KV page", "page_size"),
+}
+QUEUE_GAUGES = {
+    "tandem_bootstrap_queue_requests": "Prefill requests waiting for their decode peer",
+    "tandem_prealloc_queue_requests": "Decode requests handshaking and reserving KV pages",
+    "tandem_transfer_queue_requests": "Decode requests waiting for their KV to arrive",
+    "tandem_inflight_queue_requests": "Prefill requests whose KV is being sent",
+}
+COUNTERS = {
+    "tandem_prompt_tokens": ("Prompt tokens of admitted requests", "prompt_tokens"),
+    "tandem_generation_tokens": ("Output tokens generated", "generation_tokens"),
+    "tandem_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache", "prefix_query_tokens"),
+    "tandem_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", "prefix_hit_tokens"),
+    "tandem_retractions": ("Running requests sent back to the waiting queue for lack of KV pages", "retractions"),
+    "tandem_requests_finished": ("Requests that ended, for any reason", "requests_finished"),
+    "tandem_requests_aborted": ("Requests that ended aborted", "requests_aborted"),
+}
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], queues: Callable[[], dict[str, int]], labels: list[str]):
+        self.snapshot, self.queues, self.labels = snapshot, queues, labels
+
+    def collect(self):
+        snap, queues = self.snapshot(), self.queues()
+        for name, (text, field) in GAUGES.items():
+            family = GaugeMetricFamily(name, text, labels=LABELS)
+            family.add_metric(self.labels, getattr(snap, field))
+            yield family
+        for name, text in QUEUE_GAUGES.items():
+            family = GaugeMetricFamily(name, text, labels=LABELS)
+            family.add_metric(self.labels, queues.get(name, 0))
+            yield family
+        for name, (text, field) in COUNTERS.items():
+            family = CounterMetricFamily(name, text, labels=LABELS)
+            family.add_metric(self.labels, getattr(snap, field))
+            yield family
+
+
+class Metrics(StatsObserver):
+    """The server's registry. Pass it to the Engine as its observer, then `bind(engine)`."""
+
+    def __init__(self, role: str, model: str):
+        self.registry = CollectorRegistry()
+        self.labels = [role, model]
+        self._snapshot: Callable[[], EngineSnapshot] = EngineSnapshot
+        self._queues: Callable[[], dict[str, int]] = dict
+
+        def histogram(name: str, text: str) -> Histogram:
+            return Histogram(name, text, LABELS, buckets=LATENCY_BUCKETS, registry=self.registry).labels(*self.labels)
+
+        self.ttft = histogram("tandem_time_to_first_token_seconds", "Arrival to first output token")
+        self.itl = histogram("tandem_inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.e2e = histogram("tandem_e2e_request_latency_seconds", "Arrival to the end of the request")
+        self.queue = histogram("tandem_queue_time_seconds", "Arrival to first admission into a forward pass")
+        self.registry.register(_SnapshotCollector(lambda: self._snapshot(), lambda: self._queues(), self.labels))
+
+    def bind(self, snapshot: Callable[[], EngineSnapshot], queues: Callable[[], dict[str, int]] | None = None) -> None:
+        self._snapshot = snapshot
+        if queues is not None:
+            self._queues = queues
+
+    # StatsObserver
+    def on_first_token(self, queue_time: float, ttft: float) -> None:
+        self.queue.observe(queue_time)
+        self.ttft.observe(ttft)
+
+    def on_tokens(self, inter_token_latency: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(inter_token_latency / count)
+
+    def on_finish(self, e2e_latency: float) -> None:
+        self.e2e.observe(e2e_latency)
+
+    def serve(self, host: str, port: int):
+        """Start `/metrics` on its own port (a daemon thread); returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+
+def exported_metric_names() -> set[str]:
+    """Every metric family name this module exports (dashboards and tests check against it)."""
+    names = set(GAUGES) | set(QUEUE_GAUGES) | {f"{n}_total" for n in COUNTERS}
+    for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "queue_time"):
+        names |= {f"tandem_{h}_seconds_{s}" for s in ("bucket", "sum", "count")}
+    return names

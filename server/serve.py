@@ -1,0 +1,166 @@
+"""`tandem serve`: the engine behind SGLang's gRPC scheduler protocol, the standard gRPC health
+service and Prometheus `/metrics`.
+
+Lifecycle: load the model (nothing listens yet, so clients see UNAVAILABLE) -> serve (health
+SERVING) -> on SIGTERM or SIGINT drain: new requests get UNAVAILABLE, health turns NOT_SERVING,
+in-flight requests get `drain_grace_seconds` to finish, the rest are aborted, exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tandem.server.config import EngineConfig
+
+log = logging.getLogger("tandem.serve")
+
+VERSION = "tandem-0.1.0"
+
+# The router pings idle HTTP/2 connections every 30 s; grpc's defaults would answer GOAWAY.
+GRPC_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+]
+
+
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    role: str = _opt("colocated", "colocated | prefill | decode")
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(30000, "gRPC port (SGLang scheduler protocol and grpc.health.v1)")
+    metrics_port: int = _opt(30001, "Prometheus /metrics port")
+    served_model_name: str | None = _opt(None, "model id clients use (default: the model's name)")
+    drain_grace_seconds: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
+
+    def validate(self) -> None:
+        if self.role != "colocated":
+            raise ValueError(f"--role={self.role!r}: prefill/decode roles are not available yet; use colocated")
+        if not 0 < self.port < 65536 or not 0 < self.metrics_port < 65536 or self.port == self.metrics_port:
+            raise ValueError(f"--port={self.port} / --metrics-port={self.metrics_port}: need two distinct ports in 1-65535")
+
+
+class Server:
+    """One serving process: build with `Server(engine_config, serve_config)`, then `start()`,
+    `wait()`; `drain()` from any thread (the signal handler calls it)."""
+
+    def __init__(self, engine_config: EngineConfig, config: ServeConfig):
+        from tandem.server.engine import Engine
+        from tandem.server.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
+        from tandem.server.metrics import Metrics
+        from tandem.server.tokenizer import tokenizer_dir
+
+        config.validate()
+        self.config = config
+        self.state = ServingState()
+        self.engine = Engine(engine_config, observer=None)
+        model = self.engine.model
+        name = config.served_model_name or model.source.name
+        self.metrics = Metrics(config.role, name)
+        self.engine.observer = self.metrics
+        self.metrics.bind(lambda: self.engine.snapshot)
+        identity = ServerIdentity(
+            served_model_name=name,
+            model_path=str(model.source.path),
+            tokenizer_path=str(tokenizer_dir(model.source).resolve()),
+            role=config.role,
+            server_args=server_args(engine_config, config, name, self.engine),
+            version=VERSION,
+        )
+        self.servicer = SchedulerServicer(self.engine, identity, self.state)
+        # A thread per concurrent stream: every running and queued request, plus room for
+        # health checks, loads and metrics that must answer while the model computes.
+        workers = engine_config.max_running_requests + engine_config.max_queued_requests + 16
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=min(workers, 2048)), options=GRPC_OPTIONS)
+        add_to_server(self.servicer, self.grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        bound = self.grpc.add_insecure_port(f"{config.host}:{config.port}")
+        if bound == 0:
+            raise OSError(f"--port {config.port}: cannot listen on {config.host}:{config.port}")
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        self.metrics_server = self.metrics.serve(self.config.host, self.config.metrics_port)
+        self.grpc.start()
+        for service in ("", "sglang.grpc.scheduler.SglangScheduler"):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving %s on %s:%d (metrics :%d), KV pool %d tokens",
+            self.servicer.identity.served_model_name, self.config.host, self.config.port,
+            self.config.metrics_port, self.engine.max_total_tokens,
+        )
+
+    def drain(self) -> None:
+        """Stop admitting, let in-flight requests finish within the grace period, then stop."""
+        if self.state.draining:
+            return
+        self.state.drain()
+        self.health.enter_graceful_shutdown()
+        threading.Thread(target=self._finish_drain, name="tandem-drain", daemon=True).start()
+
+    def _finish_drain(self) -> None:
+        deadline = time.monotonic() + self.config.drain_grace_seconds
+        while time.monotonic() < deadline:
+            snap = self.engine.snapshot
+            if snap.running + snap.waiting == 0:
+                break
+            time.sleep(0.05)
+        self.engine.shutdown()  # aborts whatever is left; their streams end with finish_reason abort
+        self.grpc.stop(grace=2.0).wait()
+        self.metrics_server[0].shutdown()
+        self._stopped.set()
+
+    def wait(self) -> None:
+        while not self._stopped.wait(0.5):
+            pass
+
+
+def server_args(engine_config: EngineConfig, config: ServeConfig, name: str, engine) -> dict:
+    """GetServerInfo.server_args, with the keys SGLang's router reads."""
+    c = engine_config
+    return {
+        "model_path": str(engine.model.source.path),
+        "served_model_name": name,
+        "tokenizer_path": str(engine.model.source.path),
+        "page_size": c.page_size,
+        "dtype": c.dtype,
+        "context_length": engine.context_length,
+        "max_total_tokens": engine.max_total_tokens,
+        "max_running_requests": c.max_running_requests,
+        "max_prefill_tokens": c.max_prefill_tokens,
+        "chunked_prefill_size": c.chunked_prefill_size,
+        "schedule_policy": c.schedule_policy,
+        "disable_radix_cache": c.disable_radix_cache,
+        "disaggregation_mode": "null" if config.role == "colocated" else config.role,
+        "disaggregation_transfer_backend": "mooncake",
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "is_embedding": False,
+        "vocab_size": engine.model.config.vocab_size,
+    }
+
+
+def run(engine_config: EngineConfig, config: ServeConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = Server(engine_config, config)
+    server.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.drain())
+    server.wait()
+    log.info("stopped")
+    return 0

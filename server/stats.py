@@ -1,0 +1,45 @@
+"""Plain engine statistics: what the metrics layer exports, with no prometheus in sight.
+
+The engine publishes an EngineSnapshot after every step (a frozen object swapped in whole, so
+any thread may read the latest one) and reports per-request timings to a StatsObserver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    # gauges
+    running: int = 0  # requests holding a slot (prefilling or decoding)
+    waiting: int = 0
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0  # pinned or owned by requests (not free, not evictable cache)
+    page_size: int = 1
+    # counters (monotonic since start)
+    prompt_tokens: int = 0  # prompt tokens of requests admitted for the first time
+    generation_tokens: int = 0  # output tokens produced
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    retractions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    forward_steps: int = 0
+
+    @property
+    def token_usage(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+
+class StatsObserver:
+    """Per-request timings, called on the engine thread. The default does nothing."""
+
+    def on_first_token(self, queue_time: float, ttft: float) -> None:
+        """queue_time: arrival to first admission; ttft: arrival to first output token (seconds)."""
+
+    def on_tokens(self, inter_token_latency: float, count: int) -> None:
+        """`count` tokens arrived `inter_token_latency` seconds after the previous ones."""
+
+    def on_finish(self, e2e_latency: float) -> None:
+        """A request ended (any reason), `e2e_latency` seconds after it arrived."""
