@@ -72,12 +72,13 @@ class Server:
         self.metrics = Metrics(config.role, name)
         self.engine.observer = self.metrics
         self.metrics.bind(lambda: self.engine.snapshot)
+        tokenizer_path = str(tokenizer_dir(model.source).resolve())
         identity = ServerIdentity(
             served_model_name=name,
             model_path=str(model.source.path),
-            tokenizer_path=str(tokenizer_dir(model.source).resolve()),
+            tokenizer_path=tokenizer_path,
             role=config.role,
-            server_args=server_args(engine_config, config, name, self.engine),
+            server_args=server_args(engine_config, config, name, tokenizer_path, self.engine),
             version=VERSION,
         )
         self.servicer = SchedulerServicer(self.engine, identity, self.state)
@@ -129,13 +130,14 @@ class Server:
             pass
 
 
-def server_args(engine_config: EngineConfig, config: ServeConfig, name: str, engine) -> dict:
-    """GetServerInfo.server_args, with the keys SGLang's router reads."""
+def server_args(engine_config: EngineConfig, config: ServeConfig, name: str, tokenizer_path: str, engine) -> dict:
+    """GetServerInfo.server_args, with the keys SGLang's router reads. The router lets these
+    override GetModelInfo's, so tokenizer_path must be the directory it can load."""
     c = engine_config
     return {
         "model_path": str(engine.model.source.path),
         "served_model_name": name,
-        "tokenizer_path": str(engine.model.source.path),
+        "tokenizer_path": tokenizer_path,
         "page_size": c.page_size,
         "dtype": c.dtype,
         "context_length": engine.context_length,
