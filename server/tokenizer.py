@@ -59,19 +59,28 @@ def export_tokenizer(source: ModelSource, dest: Path) -> Path:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without emitting broken UTF-8: a delta is
-    released only once the bytes decode cleanly (no trailing replacement character)."""
+    """Turns a growing list of token ids into text deltas in constant work per token.
+
+    Decodes only a short window: ids[prefix:] against ids[prefix:read] (`read` is where the text
+    released so far ends, `prefix` one release earlier, so that the window starts on a token whose
+    decoding is settled). A delta is released only once it decodes cleanly: no trailing replacement
+    character from a UTF-8 sequence split across tokens."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.text = ""  # everything released so far
         self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        full = self.tokenizer.decode(self._ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        window = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if len(window) <= len(before) or window.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text) :]
-        self.text = full
+        delta = window[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
         return delta

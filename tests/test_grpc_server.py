@@ -267,3 +267,21 @@ def test_sigterm_drains_and_exits_zero(tmp_path, smollm_fp32):
     assert box["r"].finish_reason == "length" and len(box["r"].output_ids) == 40  # in flight: finished
     assert proc.stop() == 0
     client.close()
+
+
+def test_client_cli_streams_and_reports(server):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tandem.server.cli", "client", "generate", "--target", server.target,
+           "--prompt", "The capital of France is", "--max-new-tokens", "8", "--ignore-eos"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(" Paris")
+    assert "[8 tokens, length; TTFT" in proc.stderr and "tokens/s]" in proc.stderr
+    chat = subprocess.run(
+        [sys.executable, "-m", "tandem.server.cli", "chat", "--target", server.target, "--max-new-tokens", "24"],
+        input="What is the capital of France?\n\n", capture_output=True, text=True, timeout=120,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "Paris" in chat.stdout and "TTFT" in chat.stderr
