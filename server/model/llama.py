@@ -2,7 +2,9 @@
 
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
-(q|k|v, gate|up) to halve the number of GEMM calls.
+(q|k|v, gate|up) to halve the number of GEMM calls, and stored transposed, [in, out], computed as
+`x @ W`: on CPU that runs small-batch (decode) GEMMs 2-4x faster than F.linear's [out, in]
+(measured at batch 8-32, equal at batch 1 and >= 64), and it is as good on GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from torch import nn
 
 from tandem.kernels.attention import AttentionBackend
 from tandem.server.model.config import ModelConfig
+
+
+def _transposed(weight: torch.Tensor) -> nn.Parameter:
+    """An HF [out, in] weight stored as a contiguous [in, out] parameter."""
+    return nn.Parameter(weight.t().contiguous(), requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,29 +63,31 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.config = config
         qkv = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-        self.qkv_weight = nn.Parameter(torch.cat(qkv), requires_grad=False)
+        self.qkv_weight = _transposed(torch.cat(qkv))
         self.qkv_bias = None
         if config.attention_bias:
             self.qkv_bias = nn.Parameter(torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]), requires_grad=False)
-        self.o_weight = nn.Parameter(w[p + "self_attn.o_proj.weight"], requires_grad=False)
+        self.o_weight = _transposed(w[p + "self_attn.o_proj.weight"])
         gate_up = [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]
-        self.gate_up_weight = nn.Parameter(torch.cat(gate_up), requires_grad=False)
-        self.down_weight = nn.Parameter(w[p + "mlp.down_proj.weight"], requires_grad=False)
+        self.gate_up_weight = _transposed(torch.cat(gate_up))
+        self.down_weight = _transposed(w[p + "mlp.down_proj.weight"])
         self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         c = self.config
         x = rms_norm(h, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = x @ self.qkv_weight
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
-        h = h + F.linear(o.reshape(-1, c.q_size), self.o_weight)
+        h = h + o.reshape(-1, c.q_size) @ self.o_weight
         x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = (x @ self.gate_up_weight).chunk(2, dim=-1)
+        return h + (F.silu(gate) * up) @ self.down_weight
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,7 +108,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, w) for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
-        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(w["lm_head.weight"], requires_grad=False)
+        # Kept apart from the embedding even when tied: lookups want [vocab, hidden] rows, the
+        # logits GEMM wants [hidden, vocab].
+        self.lm_head = _transposed(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
         self.register_buffer("inv_freq", rope_inv_freq(config, weights.get("rope_freqs")), persistent=False)
         self.to(device)
 
@@ -116,4 +127,4 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return (hidden @ self.lm_head).float()
