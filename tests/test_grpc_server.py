@@ -150,6 +150,7 @@ def test_client_cancel_frees_everything(stub, smollm_fp32):
 
 BAD = [
     ("input_ids", lambda m: m.tokenized.ClearField("input_ids"), "prompt"),
+    ("over the context", lambda m: m.tokenized.input_ids.extend([5] * 8200), "context length 8192"),
     ("token beyond vocab", lambda m: m.tokenized.input_ids.append(49152), "prompt_token_ids"),
     ("top_k", lambda m: setattr(m.sampling_params, "top_k", -5), "top_k"),
     ("temperature", lambda m: setattr(m.sampling_params, "temperature", math.nan), "temperature"),
