@@ -111,6 +111,7 @@ class Server:
             return
         self.state.drain()
         self.health.enter_graceful_shutdown()
+        log.info("draining: refusing new requests, %.0fs for in-flight ones", self.config.drain_grace_seconds)
         threading.Thread(target=self._finish_drain, name="tandem-drain", daemon=True).start()
 
     def _finish_drain(self) -> None:

@@ -258,9 +258,17 @@ def test_sigterm_drains_and_exits_zero(tmp_path, smollm_fp32):
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", client.stream(request_message(ids, greedy(40)))))
     t.start()
-    time.sleep(1.0)  # let it start
+    with grpc.insecure_channel(proc.target) as channel:  # wait until it is in flight
+        loads = pb_grpc.SglangSchedulerStub(channel)
+        deadline = time.monotonic() + 60
+        while loads.GetLoads(pb.GetLoadsRequest()).loads[0].num_running_reqs == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
     proc.proc.send_signal(15)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while "draining" not in proc.log_path.read_text() and proc.proc.poll() is None:
+        assert time.monotonic() < deadline, "the server never started draining"
+        time.sleep(0.05)
     with pytest.raises(grpc.RpcError) as err:
         client.stream(request_message(ids, greedy(4)))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
