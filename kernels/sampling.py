@@ -57,7 +57,7 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     k = torch.where(top_k > 0, top_k, probs.shape[1])[:, None]
     drop = ranks >= k
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-    drop |= before > top_p[:, None]
+    drop |= (before > top_p[:, None]) & (top_p < 1.0)[:, None]  # cumsum rounding must not trim top_p=1 rows
     drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
     drop[:, 0] = False  # the most likely token always survives
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)

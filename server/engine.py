@@ -8,6 +8,7 @@ between two steps, which is how tests and servers inspect engine state safely.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -121,6 +122,7 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self._counter = itertools.count()
         self._stopped = threading.Event()
+        self._inbox_lock = threading.Lock()  # orders "stopped" against enqueueing
         self.observer = observer or StatsObserver()
         self._generated = self._finished = self._aborted = 0
         self.snapshot = EngineSnapshot()
@@ -159,8 +161,6 @@ class Engine:
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None) -> RequestStream:
         """Validate and enqueue a request. Raises InvalidRequestError (naming the field) for input
         that can never be served; nothing is allocated for a rejected request."""
-        if self._stopped.is_set():
-            raise RuntimeError("the engine is shut down")
         request = self._make_request(prompt, params or SamplingParams(), rid)
         limit = self.config.max_running_requests + self.config.max_queued_requests
         with self._rids_lock:
@@ -170,8 +170,24 @@ class Engine:
                 raise CapacityError("queue", f"{len(self._rids)} requests in flight, the limit is {limit} (--max-queued-requests)")
             self._rids.add(request.rid)
         stream = RequestStream(self, request)
-        self._inbox.put(("add", stream))
+        try:
+            self._put(("add", stream))
+        except RuntimeError:
+            with self._rids_lock:
+                self._rids.discard(request.rid)
+            raise
         return stream
+
+    def _put(self, item) -> None:
+        """Enqueue for the loop, or raise if it has stopped: nothing is left behind in the inbox."""
+        with self._inbox_lock:
+            if self._stopped.is_set():
+                raise RuntimeError("the engine is shut down")
+            self._inbox.put(item)
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopped.is_set()
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None) -> list[CompletedOutput]:
         """Submit all prompts at once (they batch together) and wait for every result, in order."""
@@ -180,12 +196,15 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Stop a request and free what it holds. Idempotent; unknown ids are ignored."""
-        self._inbox.put(("abort", rid))
+        try:
+            self._put(("abort", rid))
+        except RuntimeError:
+            pass  # stopped: every request already ended
 
     def call(self, fn: Callable, timeout: float | None = 60):
         """Run `fn()` on the loop thread between steps and return its result (or raise its error)."""
         future: Future = Future()
-        self._inbox.put(("call", fn, future))
+        self._put(("call", fn, future))
         return future.result(timeout)
 
     def check_integrity(self) -> None:
@@ -207,7 +226,7 @@ class Engine:
     def shutdown(self) -> None:
         if not self._stopped.is_set():
             self._inbox.put(("stop",))
-            self._thread.join()
+        self._thread.join()
 
     def __enter__(self) -> "Engine":
         return self
@@ -261,9 +280,21 @@ class Engine:
             log.exception("engine loop crashed")
             raise
         finally:
-            self._stopped.set()
+            with self._inbox_lock:
+                self._stopped.set()
+            # Nothing can be enqueued any more: end every request, including those still queued.
+            stopped = StreamOutput("", [], "", 0, 0, 0, True, "abort", error="engine stopped")
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] == "add":
+                    self._live[item[1].rid] = _Live(item[1], IncrementalDetokenizer(self.tokenizer), StopStringMatcher(()))
+                elif item[0] == "call":
+                    item[2].set_exception(RuntimeError("the engine is shut down"))
             for live in list(self._live.values()):
-                self._close(live, StreamOutput(live.stream.rid, [], "", 0, 0, 0, True, "abort", error="engine stopped"))
+                self._close(live, dataclasses.replace(stopped, rid=live.stream.rid))
 
     def _step(self) -> None:
         plan = self.scheduler.schedule()
@@ -346,6 +377,8 @@ class Engine:
         live.sent_tokens += len(new_ids)
         for token in new_ids:
             live.detok.push(token)
+        if req.finished:
+            live.detok.flush()
         text = live.detok.text
         if live.stops.stops and not req.finished:
             hit = live.stops.find(text, live.released)

@@ -13,6 +13,7 @@ import io
 import logging
 import threading
 import time
+import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,16 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if self.state.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         rid = request.request_id
+        cancelled = threading.Event()
+        streams: list = []
+
+        def on_done():  # the call ended: finished, or cancelled by the client (then it is an abort)
+            cancelled.set()
+            for s in streams:
+                s.abort()  # a no-op for finished ones; engine rids are unique to this call
+
+        if not context.add_callback(on_done):
+            return  # the call is already over
         try:
             if not rid:
                 raise InvalidRequestError("request_id", "must not be empty")
@@ -112,19 +123,16 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             if n > MAX_N:
                 raise InvalidRequestError("sampling_params.n", f"{n} choices requested; at most {MAX_N}")
             prompt = list(request.tokenized.input_ids)
-            streams = self._submit(rid, prompt, params, n)
+            streams.extend(self._submit(rid, prompt, params, n))
         except CapacityError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        cancelled = threading.Event()
-
-        def on_done():  # the call ended: finished, or cancelled by the client (then it is an abort)
-            cancelled.set()
+        except RuntimeError as e:  # the engine has stopped
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if cancelled.is_set():
             for s in streams:
                 s.abort()
-
-        context.add_callback(on_done)
         try:
             for index, stream in enumerate(streams):
                 yield from self._respond(rid, index, stream, request.stream, cancelled)
@@ -133,7 +141,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 self._choices.pop(rid, None)
 
     def _submit(self, rid: str, prompt: list[int], params: SamplingParams, n: int):
-        rids = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
+        # Engine ids unique to this call: a late abort from a finished call can never hit a
+        # later call that reuses the request id.
+        call_id = uuid.uuid4().hex[:8]
+        rids = [f"{rid}#{call_id}#{i}" for i in range(n)]
         with self._lock:
             if rid in self._choices:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
@@ -191,13 +202,15 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def Abort(self, request: pb.AbortRequest, context):
         with self._lock:
-            rids = self._choices.get(request.request_id, [request.request_id])
+            rids = self._choices.get(request.request_id, [])
         for r in rids:
             self.engine.abort(r)  # idempotent; unknown ids are fine
         return pb.AbortResponse(success=True, message=f"aborted {request.request_id}")
 
     # -- health and info --------------------------------------------------------------------------
     def HealthCheck(self, request, context):
+        if not self.engine.alive:
+            return pb.HealthCheckResponse(healthy=False, message="engine stopped")
         if self.state.draining:
             return pb.HealthCheckResponse(healthy=False, message="draining")
         return pb.HealthCheckResponse(healthy=True, message="ok")

@@ -237,9 +237,9 @@ class Scheduler:
             req.token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            if out.logprobs:
+            if req.params.logprobs and out.logprobs:  # the batch may carry Nones for others
                 req.output_logprobs.append(out.logprobs[i])
-            if out.top_logprobs:
+            if req.params.top_logprobs and out.top_logprobs:
                 req.output_top_logprobs.append(out.top_logprobs[i])
             finish = self._stop_reason(req, token)
             if finish is not None:

@@ -84,3 +84,14 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of the output: release whatever is still held back (a broken UTF-8 tail
+        becomes a replacement character, as a full decode would show it)."""
+        decode = self.tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        window = decode(self._ids[self._prefix :], skip_special_tokens=True)
+        delta = window[len(before) :]
+        self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta

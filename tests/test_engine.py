@@ -232,3 +232,27 @@ def test_cli_generate_json(tmp_path, smollm_fp32):
     assert rows[0]["text"].startswith(" Paris")
     bad = subprocess.run(cmd[:-4] + ["--top-k", "-5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "top_k" in bad.stderr
+
+
+def test_logprobs_only_for_requests_that_ask(make_engine):
+    engine = make_engine()
+    asks = engine.submit("The capital of France is", SamplingParams(max_new_tokens=5, temperature=0, logprobs=True, top_logprobs=2))
+    plain = engine.submit("The capital of Italy is", SamplingParams(max_new_tokens=5, temperature=0))
+    a, b = asks.result(), plain.result()
+    assert len(a.logprobs) == len(a.top_logprobs) == 5 and all(isinstance(v, float) for v in a.logprobs)
+    assert b.logprobs == [] and b.top_logprobs == []
+
+
+def test_stopped_engine_refuses_and_ends_everything(smollm_fp32):
+    from tandem.server.engine import Engine
+
+    engine = Engine(EngineConfig(max_total_tokens=2048), model=smollm_fp32)
+    streams = [engine.submit(f"Story number {i}:", SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)) for i in range(4)]
+    engine.shutdown()
+    assert not engine.alive
+    assert all(s.result().finish_reason == "abort" for s in streams)  # none hangs
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit("late", GREEDY)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.call(lambda: None)
+    engine.abort("anything")  # harmless
