@@ -179,7 +179,7 @@ def test_evicts_least_recently_used_leaf_first(page_size):
     P = page_size
     old, new = [1] * P + [2] * P, [3] * P + [4] * P
     old_pages = insert(cache, old)
-    new_pages = insert(cache, new)
+    insert(cache, new)
     cache.match(old)  # touching `old` makes `new` the least recently used
     free_before = cache.allocator.num_free
     assert cache.evict(1) == 2, "eviction frees a whole leaf"
