@@ -1,5 +1,8 @@
 """The paged KV pool: per layer one K and one V tensor of [num_pages, page_size, num_kv_heads,
-head_dim] (FlashInfer's NHD paged layout). Page ids come from the scheduler's PageAllocator."""
+head_dim] (FlashInfer's NHD paged layout). Page ids come from the scheduler's PageAllocator.
+
+All of them are views into one contiguous buffer [num_layers, 2, num_pages, page_size,
+num_kv_heads, head_dim], so a KV transfer registers a single memory region."""
 
 from __future__ import annotations
 
@@ -24,8 +27,14 @@ class PagedKVCache:
         # Zeroed, not empty: backends read whole pages, including the unwritten tail of a
         # sequence's last page. Masked scores drop those positions, but 0 * NaN is still NaN in
         # softmax(QK) @ V, so every slot must always hold a finite value.
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.buffer = torch.zeros((num_layers, 2, *shape), dtype=dtype, device=self.device)
+        self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
+        self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.buffer.element_size()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -116,11 +116,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from tandem.server.config import DisaggConfig
     from tandem.server.serve import ServeConfig, run
 
     try:
-        return run(config_from_args(args), config_from_args(args, ServeConfig))
-    except (ValueError, OSError) as e:
+        return run(config_from_args(args), config_from_args(args, ServeConfig), config_from_args(args, DisaggConfig))
+    except (ValueError, OSError, RuntimeError) as e:  # bad flags, busy ports, Mooncake that cannot start
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -179,8 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tandem.server.serve import ServeConfig
 
+    from tandem.server.config import DisaggConfig
+
     serve = sub.add_parser("serve", help="serve SGLang's gRPC scheduler protocol, health and /metrics")
     add_config_arguments(serve, ServeConfig)
+    add_config_arguments(serve, DisaggConfig)
     add_config_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -72,3 +72,40 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """The server's role and, for prefill and decode, how KV moves between them."""
+
+    role: Literal["colocated", "prefill", "decode"] = _opt(
+        "colocated", "colocated (no KV connector), prefill (runs prompts, sends KV) or decode (receives KV, generates)"
+    )
+    bootstrap_port: int = _opt(8998, "prefill: port of the bootstrap service decode servers meet it on")
+    advertise_host: str | None = _opt(
+        None, "address peers reach this server's bootstrap service and Mooncake engine at (default: --host, "
+        "or this machine's address when --host is 0.0.0.0)"
+    )
+    kv_transfer_protocol: Literal["tcp", "rdma"] = _opt("tcp", "Mooncake transport: tcp, or rdma with --ib-device")
+    ib_device: str = _opt("", "RDMA devices for Mooncake, comma-separated (e.g. mlx5_0,mlx5_1)")
+    bootstrap_timeout: float = _opt(
+        30.0, "seconds a leg waits for its peer leg: prefill for the decode to register its pages, decode for "
+        "the prefill request to arrive (and for free KV pages to reserve)"
+    )
+    transfer_timeout: float = _opt(
+        300.0, "seconds a decode request waits for its KV once both legs are paired (prefill queueing, "
+        "forward pass and transfer)"
+    )
+    peer_timeout: float = _opt(3.0, "seconds a peer's bootstrap service may stay unreachable before its requests fail")
+
+    def validate(self) -> None:
+        checks = [
+            ("bootstrap_port", 0 < self.bootstrap_port < 65536, "in 1-65535"),
+            ("bootstrap_timeout", self.bootstrap_timeout > 0, "> 0"),
+            ("transfer_timeout", self.transfer_timeout > 0, "> 0"),
+            ("peer_timeout", self.peer_timeout > 0, "> 0"),
+            ("ib_device", self.kv_transfer_protocol == "rdma" or not self.ib_device, "empty unless --kv-transfer-protocol rdma"),
+        ]
+        for name, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is invalid: must be {limit}")

@@ -13,6 +13,7 @@ import itertools
 import logging
 import queue
 import random
+import socket
 import threading
 import time
 import uuid
@@ -23,11 +24,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from tandem.kernels.kv_cache import PagedKVCache
-from tandem.server.config import EngineConfig
+from tandem.server.config import DisaggConfig, EngineConfig
+from tandem.server.disagg.connector import KVConnector
+from tandem.server.disagg.layout import KVLayout
 from tandem.server.memory import KVMemory
 from tandem.server.model import LoadedModel, load_model
 from tandem.server.outputs import CompletedOutput, StreamOutput
-from tandem.server.request import Finish, Request
+from tandem.server.request import Bootstrap, Finish, Request
 from tandem.server.runner import ModelRunner
 from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
 from tandem.server.scheduler import Scheduler, SchedulerConfig
@@ -98,8 +101,14 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, observer: StatsObserver | None = None):
+    """`disagg` picks the role: colocated (the default) or a prefill or decode server, whose KV
+    connector listens on (prefill: bootstrap service) or connects from `host`."""
+
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, observer: StatsObserver | None = None,
+                 disagg: DisaggConfig | None = None, host: str = "127.0.0.1"):
         config.validate()
+        disagg = disagg or DisaggConfig()
+        disagg.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -113,9 +122,12 @@ class Engine:
             mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.model.compute_dtype, self.model.device
         )
         self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache)
-        self.scheduler = Scheduler(self._scheduler_config(), self.memory)
         self.runner = ModelRunner(self.model.module, self.kv_cache, config.attention_backend)
         self._inbox: queue.Queue = queue.Queue()
+        self.connector = self._make_connector(disagg, host)
+        self.scheduler = Scheduler(self._scheduler_config(), self.memory, keep_kv=self.connector.keep_kv)
+        self.connector.attach(self.scheduler)
+        self.connector.on_transfer = lambda seconds: self.observer.on_kv_transfer(seconds)
         self._live: dict[str, _Live] = {}
         self._rids_lock = threading.Lock()
         self._rids: set[str] = set()
@@ -143,6 +155,43 @@ class Engine:
             new_token_ratio_decay_steps=c.new_token_ratio_decay_steps,
         )
 
+    def _make_connector(self, disagg: DisaggConfig, host: str) -> KVConnector:
+        if disagg.role == "colocated":
+            return KVConnector()
+        advertise = disagg.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname()))
+        if disagg.role == "prefill":
+            from tandem.server.disagg.prefill import PrefillConnector
+
+            return PrefillConnector(disagg, host, advertise, self.kv_layout(), self.kv_cache, self.memory, self._wake)
+        from tandem.server.disagg.decode import DecodeConnector
+
+        return DecodeConnector(disagg, advertise, self.kv_layout(), self.kv_cache, self.memory, self._wake)
+
+    def kv_layout(self) -> KVLayout:
+        """What a disaggregated peer must share with this engine to exchange KV pages."""
+        mc, kv = self.model.config, self.kv_cache
+        shape = f"L{mc.num_layers}-H{mc.num_heads}-KV{mc.num_kv_heads}-D{mc.head_dim}-V{mc.vocab_size}"
+        return KVLayout(
+            model=f"{mc.architecture}:{self.model.source.name}:{shape}",
+            kv_dtype=str(kv.dtype).removeprefix("torch."),
+            page_size=kv.page_size,
+            num_layers=kv.num_layers,
+            num_kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
+            page_bytes=kv.page_bytes,
+        )
+
+    @property
+    def role(self) -> str:
+        return self.connector.role
+
+    def _wake(self) -> None:
+        """From any thread: make the loop look at its connector now."""
+        try:
+            self._put(("wake",))
+        except RuntimeError:
+            pass
+
     def _num_kv_pages(self) -> int:
         c, mc = self.config, self.model.config
         if c.max_total_tokens is not None:
@@ -158,10 +207,14 @@ class Engine:
     def max_total_tokens(self) -> int:
         return self.memory.total_tokens
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None) -> RequestStream:
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None,
+               bootstrap: Bootstrap | None = None) -> RequestStream:
         """Validate and enqueue a request. Raises InvalidRequestError (naming the field) for input
-        that can never be served; nothing is allocated for a rejected request."""
+        that can never be served; nothing is allocated for a rejected request. `bootstrap`: where
+        a disaggregated request's legs meet (required on prefill and decode servers)."""
         request = self._make_request(prompt, params or SamplingParams(), rid)
+        request.bootstrap = bootstrap
+        self.connector.check_request(request)
         limit = self.config.max_running_requests + self.config.max_queued_requests
         with self._rids_lock:
             if request.rid in self._rids:
@@ -208,7 +261,7 @@ class Engine:
         return future.result(timeout)
 
     def check_integrity(self) -> None:
-        self.call(self.scheduler.check_integrity)
+        self.call(lambda: self.scheduler.check_integrity(self.connector.held()))
 
     def flush_cache(self) -> bool:
         return self.call(self.memory.flush_cache)
@@ -220,6 +273,7 @@ class Engine:
                 "waiting": self.scheduler.num_waiting,
                 "used_pages": self.memory.used_pages,
                 "total_pages": self.memory.num_pages,
+                "held_by_connector": len(self.connector.held()),
             }
         )
 
@@ -274,7 +328,7 @@ class Engine:
     # -- the loop (engine thread) -----------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            while self._drain(block=not self.scheduler.has_work()):
+            while self._drain(self._idle_timeout()):
                 self._step()
         except BaseException:
             log.exception("engine loop crashed")
@@ -282,6 +336,7 @@ class Engine:
         finally:
             with self._inbox_lock:
                 self._stopped.set()
+            self.connector.close()
             # Nothing can be enqueued any more: end every request, including those still queued.
             stopped = StreamOutput("", [], "", 0, 0, 0, True, "abort", error="engine stopped")
             while True:
@@ -296,7 +351,15 @@ class Engine:
             for live in list(self._live.values()):
                 self._close(live, dataclasses.replace(stopped, rid=live.stream.rid))
 
+    def _idle_timeout(self) -> float | None:
+        """How long the loop may wait for inbox traffic: 0 when the scheduler has work."""
+        if self.scheduler.has_work():
+            return 0.0
+        return self.connector.idle_wait()
+
     def _step(self) -> None:
+        for req in self.connector.poll():
+            self._publish(req)  # a decode's first token arrived, or a held request ended
         plan = self.scheduler.schedule()
         if plan is not None:
             try:
@@ -304,7 +367,7 @@ class Engine:
             except Exception as e:  # keep serving: fail this step's requests, not the engine
                 log.exception("forward pass failed")
                 for seq in plan.seqs:
-                    self.scheduler.abort(seq.rid, f"forward pass failed: {type(e).__name__}: {e}")
+                    self.scheduler.abort(seq.rid, f"forward pass failed: {type(e).__name__}: {e}", "internal")
             else:
                 for req in self.scheduler.update(plan, out):
                     self._publish(req)
@@ -331,12 +394,14 @@ class Engine:
             requests_finished=self._finished,
             requests_aborted=self._aborted,
             forward_steps=sched.stats.forward_steps,
+            **self.connector.stats(),
         )
 
-    def _drain(self, block: bool) -> bool:
-        """Apply inbox commands; returns False once asked to stop."""
+    def _drain(self, timeout: float | None) -> bool:
+        """Apply inbox commands, waiting up to `timeout` seconds (None: forever) for the first;
+        returns False once asked to stop."""
         try:
-            item = self._inbox.get(timeout=None) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -346,9 +411,10 @@ class Engine:
             if kind == "add":
                 stream = item[1]
                 self._live[stream.rid] = _Live(stream, IncrementalDetokenizer(self.tokenizer), StopStringMatcher(stream.request.params.stop))
-                self.scheduler.add(stream.request)
+                self.connector.add(stream.request)
             elif kind == "abort":
-                self.scheduler.abort(item[1])
+                if self.scheduler.abort(item[1]) is None:
+                    self.connector.abort(item[1], "aborted")
             elif kind == "call":
                 fn, future = item[1], item[2]
                 try:
@@ -400,6 +466,7 @@ class Engine:
             finish_reason=finish.reason if finish else None,
             matched_stop=finish.matched if finish else None,
             error=finish.message if finish and finish.reason == "abort" else None,
+            error_code=finish.code if finish else None,
             logprobs=req.output_logprobs[-n_new:] if n_new and req.output_logprobs else [],
             top_logprobs=req.output_top_logprobs[-n_new:] if n_new and req.output_top_logprobs else [],
         )

@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from tandem.server.engine import Engine
 from tandem.server.outputs import StreamOutput
+from tandem.server.request import Bootstrap
 from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
 
 log = logging.getLogger("tandem.grpc")
@@ -122,8 +123,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             n = request.sampling_params.n or 1
             if n > MAX_N:
                 raise InvalidRequestError("sampling_params.n", f"{n} choices requested; at most {MAX_N}")
+            bootstrap = self._bootstrap(request, n)
             prompt = list(request.tokenized.input_ids)
-            streams.extend(self._submit(rid, prompt, params, n))
+            streams.extend(self._submit(rid, prompt, params, n, bootstrap))
         except CapacityError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except InvalidRequestError as e:
@@ -135,12 +137,30 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 s.abort()
         try:
             for index, stream in enumerate(streams):
-                yield from self._respond(rid, index, stream, request.stream, cancelled)
+                yield from self._respond(rid, index, stream, request.stream, cancelled, context)
         finally:
             with self._lock:
                 self._choices.pop(rid, None)
 
-    def _submit(self, rid: str, prompt: list[int], params: SamplingParams, n: int):
+    def _bootstrap(self, request: pb.GenerateRequest, n: int) -> Bootstrap | None:
+        """Where the two legs of a disaggregated request meet; None on a colocated server."""
+        if self.identity.role == "colocated":
+            return None
+        if not request.HasField("disaggregated_params") or not request.disaggregated_params.bootstrap_host:
+            raise InvalidRequestError(
+                "disaggregated_params", f"required on a {self.identity.role} server: bootstrap_host, bootstrap_port "
+                "and bootstrap_room (the router sets them)"
+            )
+        if n != 1:
+            raise InvalidRequestError("sampling_params.n", f"{n} choices requested; a disaggregated request has 1")
+        d = request.disaggregated_params
+        if not 0 < d.bootstrap_port < 65536 or d.bootstrap_room < 0:
+            raise InvalidRequestError(
+                "disaggregated_params", f"bootstrap_port {d.bootstrap_port} must be in 1-65535 and bootstrap_room {d.bootstrap_room} >= 0"
+            )
+        return Bootstrap(d.bootstrap_host, d.bootstrap_port, d.bootstrap_room)
+
+    def _submit(self, rid: str, prompt: list[int], params: SamplingParams, n: int, bootstrap: Bootstrap | None):
         # Engine ids unique to this call: a late abort from a finished call can never hit a
         # later call that reuses the request id.
         call_id = uuid.uuid4().hex[:8]
@@ -152,7 +172,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         streams = []
         try:
             for r in rids:
-                streams.append(self.engine.submit(prompt, params, rid=r))
+                streams.append(self.engine.submit(prompt, params, rid=r, bootstrap=bootstrap))
         except Exception:
             for s in streams:
                 s.abort()
@@ -161,7 +181,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             raise
         return streams
 
-    def _respond(self, rid: str, index: int, stream, streaming: bool, cancelled: threading.Event):
+    def _respond(self, rid: str, index: int, stream, streaming: bool, cancelled: threading.Event, context):
         ids: list[int] = []
         lps: list[float] = []
         tops: list = []
@@ -184,6 +204,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 yield pb.GenerateResponse(request_id=rid, chunk=chunk)
         if cancelled.is_set() and last is not None and last.finish_reason == "abort":
             return  # the client is gone; nobody reads a Complete
+        if last.error_code:  # the server failed the request (a peer leg that never came, a dead peer)
+            context.abort(getattr(grpc.StatusCode, last.error_code.upper(), grpc.StatusCode.INTERNAL), last.error)
         complete = pb.GenerateComplete(
             output_ids=ids,
             finish_reason=last.finish_reason,
@@ -267,7 +289,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         )
         load.memory.token_capacity = self.engine.max_total_tokens
         load.queues.waiting = snap.waiting
-        load.disaggregation.mode = self.identity.role if self.identity.role != "colocated" else "null"
+        pd = load.disaggregation
+        pd.mode = self.identity.role if self.identity.role != "colocated" else "null"
+        pd.prefill_prealloc_queue_reqs, pd.prefill_inflight_queue_reqs = snap.bootstrap_queue, snap.inflight_queue
+        pd.decode_prealloc_queue_reqs, pd.decode_transfer_queue_reqs = snap.prealloc_queue, snap.transfer_queue
         now = timestamp_pb2.Timestamp()
         now.GetCurrentTime()
         response = pb.GetLoadsResponse(timestamp=now.ToJsonString(), version=self.identity.version, dp_rank_count=1, loads=[load])

@@ -70,6 +70,11 @@ class KVMemory:
         self._holders[req.slot] = req
         return True
 
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Give `req` a slot and fresh pages for positions [0, num_tokens), sharing nothing with
+        the prefix cache (a decode server's destination for transferred KV). All or nothing."""
+        return self.admit(req, self.cache.match([]), num_tokens)
+
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Make `req`'s pages cover positions [0, num_tokens). All or nothing."""
         need = self.pages_for(num_tokens) - len(req.pages)

@@ -23,19 +23,18 @@ LATENCY_BUCKETS = (
 
 LABELS = ("role", "model")
 
-# name -> (help, snapshot field); the PD queues read 0 until a role fills them.
+# name -> (help, snapshot field). The disaggregation queues and transfer counters read 0 on a
+# colocated server; bootstrap and inflight are prefill queues, prealloc and transfer decode ones.
 GAUGES = {
     "tandem_num_requests_running": ("Requests holding a slot (prefilling or decoding)", "running"),
     "tandem_num_requests_waiting": ("Requests in the waiting queue", "waiting"),
     "tandem_kv_pages_total": ("Pages in the KV pool", "kv_pages_total"),
     "tandem_kv_pages_used": ("KV pages used by requests (not free, not evictable cache)", "kv_pages_used"),
     "tandem_kv_page_size_tokens": ("Tokens per KV page", "page_size"),
-}
-QUEUE_GAUGES = {
-    "tandem_bootstrap_queue_requests": "Prefill requests waiting for their decode peer",
-    "tandem_prealloc_queue_requests": "Decode requests handshaking and reserving KV pages",
-    "tandem_transfer_queue_requests": "Decode requests waiting for their KV to arrive",
-    "tandem_inflight_queue_requests": "Prefill requests whose KV is being sent",
+    "tandem_bootstrap_queue_requests": ("Prefill requests waiting for their decode peer", "bootstrap_queue"),
+    "tandem_prealloc_queue_requests": ("Decode requests handshaking and reserving KV pages", "prealloc_queue"),
+    "tandem_transfer_queue_requests": ("Decode requests waiting for their KV to arrive", "transfer_queue"),
+    "tandem_inflight_queue_requests": ("Prefill requests whose KV is being sent", "inflight_queue"),
 }
 COUNTERS = {
     "tandem_prompt_tokens": ("Prompt tokens of admitted requests", "prompt_tokens"),
@@ -45,22 +44,21 @@ COUNTERS = {
     "tandem_retractions": ("Running requests sent back to the waiting queue for lack of KV pages", "retractions"),
     "tandem_requests_finished": ("Requests that ended, for any reason", "requests_finished"),
     "tandem_requests_aborted": ("Requests that ended aborted", "requests_aborted"),
+    "tandem_kv_transfer_bytes": ("KV cache bytes sent (prefill) or received (decode) through Mooncake", "kv_transfer_bytes"),
+    "tandem_kv_transfer_failures": ("Requests whose KV transfer failed (peer died, timed out, wrong room)", "kv_transfer_failures"),
+    "tandem_bootstrap_failures": ("Requests whose two legs never paired (no peer in time, handshake refused)", "bootstrap_failures"),
 }
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], queues: Callable[[], dict[str, int]], labels: list[str]):
-        self.snapshot, self.queues, self.labels = snapshot, queues, labels
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], labels: list[str]):
+        self.snapshot, self.labels = snapshot, labels
 
     def collect(self):
-        snap, queues = self.snapshot(), self.queues()
+        snap = self.snapshot()
         for name, (text, field) in GAUGES.items():
             family = GaugeMetricFamily(name, text, labels=LABELS)
             family.add_metric(self.labels, getattr(snap, field))
-            yield family
-        for name, text in QUEUE_GAUGES.items():
-            family = GaugeMetricFamily(name, text, labels=LABELS)
-            family.add_metric(self.labels, queues.get(name, 0))
             yield family
         for name, (text, field) in COUNTERS.items():
             family = CounterMetricFamily(name, text, labels=LABELS)
@@ -75,7 +73,6 @@ class Metrics(StatsObserver):
         self.registry = CollectorRegistry()
         self.labels = [role, model]
         self._snapshot: Callable[[], EngineSnapshot] = EngineSnapshot
-        self._queues: Callable[[], dict[str, int]] = dict
 
         def histogram(name: str, text: str) -> Histogram:
             return Histogram(name, text, LABELS, buckets=LATENCY_BUCKETS, registry=self.registry).labels(*self.labels)
@@ -84,12 +81,13 @@ class Metrics(StatsObserver):
         self.itl = histogram("tandem_inter_token_latency_seconds", "Time between consecutive output tokens")
         self.e2e = histogram("tandem_e2e_request_latency_seconds", "Arrival to the end of the request")
         self.queue = histogram("tandem_queue_time_seconds", "Arrival to first admission into a forward pass")
-        self.registry.register(_SnapshotCollector(lambda: self._snapshot(), lambda: self._queues(), self.labels))
+        self.kv_transfer = histogram(
+            "tandem_kv_transfer_latency_seconds", "One request's KV transfer: the write (prefill), registration to arrival (decode)"
+        )
+        self.registry.register(_SnapshotCollector(lambda: self._snapshot(), self.labels))
 
-    def bind(self, snapshot: Callable[[], EngineSnapshot], queues: Callable[[], dict[str, int]] | None = None) -> None:
+    def bind(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self._snapshot = snapshot
-        if queues is not None:
-            self._queues = queues
 
     # StatsObserver
     def on_first_token(self, queue_time: float, ttft: float) -> None:
@@ -103,6 +101,9 @@ class Metrics(StatsObserver):
     def on_finish(self, e2e_latency: float) -> None:
         self.e2e.observe(e2e_latency)
 
+    def on_kv_transfer(self, seconds: float) -> None:
+        self.kv_transfer.observe(seconds)
+
     def serve(self, host: str, port: int):
         """Start `/metrics` on its own port (a daemon thread); returns (server, thread)."""
         return start_http_server(port, addr=host, registry=self.registry)
@@ -110,7 +111,7 @@ class Metrics(StatsObserver):
 
 def exported_metric_names() -> set[str]:
     """Every metric family name this module exports (dashboards and tests check against it)."""
-    names = set(GAUGES) | set(QUEUE_GAUGES) | {f"{n}_total" for n in COUNTERS}
-    for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "queue_time"):
+    names = set(GAUGES) | {f"{n}_total" for n in COUNTERS}
+    for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "queue_time", "kv_transfer_latency"):
         names |= {f"tandem_{h}_seconds_{s}" for s in ("bucket", "sum", "count")}
     return names

@@ -17,6 +17,7 @@ class StreamOutput:
     finish_reason: str | None = None  # stop | length | abort
     matched_stop: int | str | None = None
     error: str | None = None  # why an aborted request ended
+    error_code: str | None = None  # gRPC status name for failures the server caused (None: client abort)
     logprobs: list[float] = field(default_factory=list)  # of the new tokens, when asked
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 

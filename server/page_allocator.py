@@ -30,7 +30,7 @@ class PageAllocator:
             return None
         if n == 0:
             return []
-        pages = self._free[-n:]
+        pages = self._free[-n:][::-1]  # ascending: runs of consecutive pages move in one KV write
         del self._free[-n:]
         for p in pages:
             self._is_free[p] = 0

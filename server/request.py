@@ -22,6 +22,19 @@ class Finish:
     reason: str
     matched: int | str | None = None  # the stop token id or stop string that matched
     message: str = ""
+    # For failures the server caused (a peer that never came, a dead peer): the gRPC status name
+    # the request ends with, e.g. "deadline_exceeded". None for normal ends and client aborts.
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's two legs meet: the prefill's bootstrap service and the room
+    (the router picks it; both legs carry the same one)."""
+
+    host: str
+    port: int
+    room: int
 
 
 @dataclass
@@ -34,6 +47,7 @@ class Request:
     eos_ids: frozenset[int]
     sampling_seed: int  # the request's seed, or one drawn for it on arrival
     arrival_time: float = field(default_factory=time.monotonic)
+    bootstrap: Bootstrap | None = None  # set on prefill and decode servers
 
     status: Status = Status.WAITING
     finish: Finish | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from tandem.server.memory import KVMemory
 from tandem.server.plan import Phase, SeqPlan, StepOutput, StepPlan
@@ -41,9 +42,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, memory: KVMemory):
+    """`keep_kv(req)` is asked when a request ends with its pages still held: True means the
+    caller (a prefill's KV connector, which still has to send them) took the pages over and
+    releases them itself; False (the default) releases them now."""
+
+    def __init__(self, config: SchedulerConfig, memory: KVMemory, keep_kv: Callable[[Request], bool] | None = None):
         self.config = config
         self.memory = memory
+        self.keep_kv = keep_kv or (lambda req: False)
         self.page_size = memory.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # hold a slot and have sampled at least once
@@ -58,11 +64,26 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
 
-    def abort(self, rid: str, message: str = "aborted") -> Request | None:
+    def add_prefilled(self, req: Request, first_token: int) -> None:
+        """Join a request whose prompt KV is already in its pages (a decode server's transfer
+        arrived) straight into the running batch, with its first output token."""
+        assert req.slot is not None and len(req.pages) * self.page_size >= req.prompt_len
+        now = time.monotonic()
+        req.status = Status.RUNNING
+        req.num_computed = req.prompt_len
+        req.token_ids.append(first_token)
+        req.admit_time = req.first_token_time = now
+        self.stats.prefix_query_tokens += req.prompt_len
+        self.running.append(req)
+        finish = self._stop_reason(req, first_token)
+        if finish is not None:
+            self._finish(req, finish)
+
+    def abort(self, rid: str, message: str = "aborted", code: str | None = None) -> Request | None:
         """End a request wherever it is and free what it holds. Unknown ids return None."""
         for req in self._all():
             if req.rid == rid:
-                self._finish(req, Finish("abort", message=message))
+                self._finish(req, Finish("abort", message=message, code=code))
                 return req
         return None
 
@@ -107,7 +128,7 @@ class Scheduler:
         if not self.waiting and self.chunked is None:
             return []
         cfg = self.config
-        reserved = sum(self.ratio.reserve(r) for r in self.running)
+        reserved = self.reserved_tokens()
         budget = PrefillBudget(
             rem_total=self.memory.available_pages * self.page_size - reserved,
             rem_input=cfg.max_prefill_tokens,
@@ -150,6 +171,10 @@ class Scheduler:
             self.running.append(req)
         return plans
 
+    def reserved_tokens(self) -> int:
+        """KV tokens set aside for the running requests' future output (the new-token ratio)."""
+        return sum(self.ratio.reserve(r) for r in self.running)
+
     def _reserve(self, req: Request, planned: list[SeqPlan]) -> int:
         """Output headroom to set aside for `req`. The first request into an idle engine gets none:
         reserving could only stall it forever, and retraction covers any overflow."""
@@ -174,7 +199,8 @@ class Scheduler:
         for req in decoding:
             if not self.memory.grow(req, req.num_computed + 1):
                 # A lone request that outgrew the whole pool: nothing left to retract.
-                self._finish(req, Finish("abort", message="KV cache exhausted: the request no longer fits the pool"))
+                self._finish(req, Finish("abort", message="KV cache exhausted: the request no longer fits the pool",
+                                         code="resource_exhausted"))
                 continue
             plans.append(self._seq(req, 1))
         if not retracted:  # a retraction just reset the ratio; decaying it now would undo that
@@ -264,13 +290,15 @@ class Scheduler:
             self.chunked = None
         elif req in self.running:
             self.running.remove(req)
-        self.memory.release(req)
         req.status = Status.FINISHED
         req.finish = finish
+        if not self.keep_kv(req):
+            self.memory.release(req)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, held_elsewhere: list[Request] = ()) -> None:
+        """`held_elsewhere`: requests holding slots outside the scheduler (a KV connector's)."""
         self.memory.check_integrity()
-        holders = self.running + ([self.chunked] if self.chunked is not None else [])
+        holders = self.running + ([self.chunked] if self.chunked is not None else []) + list(held_elsewhere)
         assert len(holders) == len({r.rid for r in holders}), "a request is running twice"
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
         assert self.memory.slots.num_free == self.memory.slots.num_slots - len(holders), "slots leaked"

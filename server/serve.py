@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.server.config import EngineConfig
+from tandem.server.config import DisaggConfig, EngineConfig
 
 log = logging.getLogger("tandem.serve")
 
@@ -39,7 +39,6 @@ def _opt(default, help: str):
 
 @dataclass(frozen=True)
 class ServeConfig:
-    role: str = _opt("colocated", "colocated | prefill | decode")
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(30000, "gRPC port (SGLang scheduler protocol and grpc.health.v1)")
     metrics_port: int = _opt(30001, "Prometheus /metrics port")
@@ -47,8 +46,6 @@ class ServeConfig:
     drain_grace_seconds: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
 
     def validate(self) -> None:
-        if self.role != "colocated":
-            raise ValueError(f"--role={self.role!r}: prefill/decode roles are not available yet; use colocated")
         if not 0 < self.port < 65536 or not 0 < self.metrics_port < 65536 or self.port == self.metrics_port:
             raise ValueError(f"--port={self.port} / --metrics-port={self.metrics_port}: need two distinct ports in 1-65535")
 
@@ -57,19 +54,20 @@ class Server:
     """One serving process: build with `Server(engine_config, serve_config)`, then `start()`,
     `wait()`; `drain()` from any thread (the signal handler calls it)."""
 
-    def __init__(self, engine_config: EngineConfig, config: ServeConfig):
+    def __init__(self, engine_config: EngineConfig, config: ServeConfig, disagg: DisaggConfig | None = None):
         from tandem.server.engine import Engine
         from tandem.server.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
         from tandem.server.metrics import Metrics
         from tandem.server.tokenizer import tokenizer_dir
 
         config.validate()
+        disagg = disagg or DisaggConfig()
         self.config = config
         self.state = ServingState()
-        self.engine = Engine(engine_config, observer=None)
+        self.engine = Engine(engine_config, observer=None, disagg=disagg, host=config.host)
         model = self.engine.model
         name = config.served_model_name or model.source.name
-        self.metrics = Metrics(config.role, name)
+        self.metrics = Metrics(disagg.role, name)
         self.engine.observer = self.metrics
         self.metrics.bind(lambda: self.engine.snapshot)
         tokenizer_path = str(tokenizer_dir(model.source).resolve())
@@ -77,8 +75,8 @@ class Server:
             served_model_name=name,
             model_path=str(model.source.path),
             tokenizer_path=tokenizer_path,
-            role=config.role,
-            server_args=server_args(engine_config, config, name, tokenizer_path, self.engine),
+            role=disagg.role,
+            server_args=server_args(engine_config, disagg, name, tokenizer_path, self.engine),
             version=VERSION,
         )
         self.servicer = SchedulerServicer(self.engine, identity, self.state)
@@ -100,8 +98,8 @@ class Server:
         for service in ("", "sglang.grpc.scheduler.SglangScheduler"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "serving %s on %s:%d (metrics :%d), KV pool %d tokens",
-            self.servicer.identity.served_model_name, self.config.host, self.config.port,
+            "serving %s as %s on %s:%d (metrics :%d), KV pool %d tokens",
+            self.servicer.identity.served_model_name, self.engine.role, self.config.host, self.config.port,
             self.config.metrics_port, self.engine.max_total_tokens,
         )
 
@@ -118,7 +116,8 @@ class Server:
         deadline = time.monotonic() + self.config.drain_grace_seconds
         while time.monotonic() < deadline:
             snap = self.engine.snapshot
-            if snap.running + snap.waiting == 0:
+            held = snap.bootstrap_queue + snap.inflight_queue + snap.prealloc_queue + snap.transfer_queue
+            if snap.running + snap.waiting + held == 0:
                 break
             time.sleep(0.05)
         self.engine.shutdown()  # aborts whatever is left; their streams end with finish_reason abort
@@ -131,7 +130,7 @@ class Server:
             pass
 
 
-def server_args(engine_config: EngineConfig, config: ServeConfig, name: str, tokenizer_path: str, engine) -> dict:
+def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, tokenizer_path: str, engine) -> dict:
     """GetServerInfo.server_args, with the keys SGLang's router reads. The router lets these
     override GetModelInfo's, so tokenizer_path must be the directory it can load."""
     c = engine_config
@@ -148,8 +147,11 @@ def server_args(engine_config: EngineConfig, config: ServeConfig, name: str, tok
         "chunked_prefill_size": c.chunked_prefill_size,
         "schedule_policy": c.schedule_policy,
         "disable_radix_cache": c.disable_radix_cache,
-        "disaggregation_mode": "null" if config.role == "colocated" else config.role,
+        "disaggregation_mode": "null" if disagg.role == "colocated" else disagg.role,
         "disaggregation_transfer_backend": "mooncake",
+        "disaggregation_bootstrap_port": disagg.bootstrap_port,
+        "disaggregation_ib_device": disagg.ib_device,
+        "kv_transfer_protocol": disagg.kv_transfer_protocol,
         "tp_size": 1,
         "dp_size": 1,
         "pp_size": 1,
@@ -158,9 +160,9 @@ def server_args(engine_config: EngineConfig, config: ServeConfig, name: str, tok
     }
 
 
-def run(engine_config: EngineConfig, config: ServeConfig) -> int:
+def run(engine_config: EngineConfig, config: ServeConfig, disagg: DisaggConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = Server(engine_config, config)
+    server = Server(engine_config, config, disagg)
     server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())

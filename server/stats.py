@@ -26,6 +26,14 @@ class EngineSnapshot:
     requests_finished: int = 0
     requests_aborted: int = 0
     forward_steps: int = 0
+    # disaggregation (zero on colocated servers)
+    bootstrap_queue: int = 0  # prefill: waiting for the decode to register its pages
+    inflight_queue: int = 0  # prefill: KV being sent
+    prealloc_queue: int = 0  # decode: handshaking and reserving pages
+    transfer_queue: int = 0  # decode: waiting for KV
+    kv_transfer_bytes: int = 0  # KV bytes sent (prefill) or received (decode)
+    kv_transfer_failures: int = 0
+    bootstrap_failures: int = 0
 
     @property
     def token_usage(self) -> float:
@@ -43,3 +51,6 @@ class StatsObserver:
 
     def on_finish(self, e2e_latency: float) -> None:
         """A request ended (any reason), `e2e_latency` seconds after it arrived."""
+
+    def on_kv_transfer(self, seconds: float) -> None:
+        """One request's KV moved: prefill, the write; decode, registration to arrival."""

@@ -1,0 +1,332 @@
+"""The bootstrap service: how a decode server meets a prefill server (HTTP + JSON, port 8998).
+
+A prefill server runs one. A decode server (1) reads its KV layout and Mooncake session
+(`GET /v1/layout`), (2) registers its own KV pool and arrival-record buffer once
+(`POST /v1/peers`), then (3) per request registers the destination pages under the request's
+`bootstrap_room` (`POST /v1/rooms`). It polls room states (`POST /v1/status`) and may cancel a
+room (`POST /v1/rooms/<room>/cancel`). KV itself never passes through here: prefill writes it
+with Mooncake one-sided writes.
+
+Room states, as the decode side sees them:
+    registered    the decode's pages are known, the prefill leg has not arrived
+    claimed       the prefill leg arrived, the decode has not registered
+    queued        both legs are here; the prefill leg is waiting for (or in) its forward pass
+    transferring  KV is being written; the decode's pages must not be reused
+    done          KV and the arrival record are written
+    failed        final; `message` says why and `code` is the gRPC status both legs end with
+    unknown       no such room (never registered, or long finished)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch
+
+log = logging.getLogger("tandem.bootstrap")
+
+# Finished rooms stay queryable this long, so a decode polling late still learns the outcome.
+FINISHED_ROOM_RETENTION_S = 120.0
+ACTIVE = ("registered", "claimed", "queued", "transferring")
+
+
+@dataclass(frozen=True)
+class DecodePeer:
+    decode_id: str
+    session: str  # Mooncake session host:rpc_port
+    kv: KVBuffer
+    record_base: int  # address of arrival-record slot 0
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a decode registered for one room."""
+
+    peer: DecodePeer
+    request_id: str
+    prompt_len: int
+    digest: int
+    pages: list[int]
+    record_slot: int
+
+
+@dataclass
+class Room:
+    room: int
+    created: float = field(default_factory=time.monotonic)
+    registration: Registration | None = None
+    claimed_by: str | None = None  # the prefill leg's engine request id
+    digest: int | None = None  # the prefill leg's prompt fingerprint
+    prompt_len: int = 0
+    state: str = "registered"
+    message: str = ""
+    code: str = ""  # on failure: the gRPC status name (deadline_exceeded, unavailable, ...)
+    cancelled: bool = False  # the decode side asked to stop
+    finished_at: float | None = None
+
+
+class RoomTable:
+    """Rooms and decode peers, shared by the HTTP threads and the prefill loop (one lock)."""
+
+    def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None):
+        self.layout = layout
+        self.session = session
+        self.wake = wake
+        self._lock = threading.Lock()
+        self._rooms: dict[int, Room] = {}
+        self._peers: dict[str, DecodePeer] = {}
+
+    # -- decode side (HTTP threads) ---------------------------------------------------------------
+    def add_peer(self, body: dict) -> DecodePeer:
+        theirs = KVLayout.from_json(body["layout"])
+        self.layout.check_compatible(theirs, here="on prefill", there="on decode")
+        peer = DecodePeer(body["decode_id"], body["session"], KVBuffer(body["kv_base"], body["num_pages"]), body["record_base"])
+        with self._lock:
+            self._peers[peer.decode_id] = peer
+        log.info("decode peer %s registered (Mooncake session %s, %d pages)", peer.decode_id, peer.session, peer.kv.num_pages)
+        return peer
+
+    def register(self, body: dict) -> Room:
+        """A decode's destination for one room. Raises KeyError (unknown peer) or ValueError."""
+        with self._lock:
+            peer = self._peers.get(body["decode_id"])
+            if peer is None:
+                raise KeyError(f"decode peer {body['decode_id']!r} is not registered (POST /v1/peers first)")
+            pages, prompt_len = list(body["pages"]), int(body["prompt_len"])
+            need = -(-prompt_len // self.layout.page_size)
+            if len(pages) != need or not all(0 <= p < peer.kv.num_pages for p in pages):
+                raise ValueError(f"{len(pages)} destination pages for {prompt_len} prompt tokens; need {need} in [0, {peer.kv.num_pages})")
+            reg = Registration(peer, body["request_id"], prompt_len, int(body["digest"]), pages, int(body["record_slot"]))
+            room = self._rooms.get(body["room"])
+            if room is None:
+                room = self._rooms[body["room"]] = Room(body["room"])
+            elif room.registration is not None:
+                raise ValueError(f"bootstrap_room {room.room} is already registered ({room.state})")
+            room.registration = reg
+            if room.state == "claimed":
+                room.state = "queued"
+                self._check_same_request(room)
+        self.wake()
+        return room
+
+    def cancel(self, room_id: int, message: str) -> str:
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None:  # cancelled before either leg arrived: a late prefill leg fails fast
+                room = self._rooms[room_id] = Room(room_id)
+            room.cancelled = True
+            if room.state in ("registered", "claimed", "queued"):
+                self._fail(room, message, "aborted")
+            state = room.state
+        self.wake()
+        return state
+
+    def status(self, rooms: list[int]) -> dict[str, dict]:
+        with self._lock:
+            out = {}
+            for r in rooms:
+                room = self._rooms.get(r)
+                out[str(r)] = (
+                    {"state": room.state, "message": room.message, "code": room.code}
+                    if room else {"state": "unknown", "message": "", "code": ""}
+                )
+            return out
+
+    # -- prefill side (engine loop) ---------------------------------------------------------------
+    def claim(self, room_id: int, rid: str, prompt_len: int, digest: int) -> Room:
+        """The prefill leg for `room_id` arrived."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or (room.claimed_by is not None and room.state in ("done", "failed")):
+                room = self._rooms[room_id] = Room(room_id, state="claimed")  # new, or a finished room's number reused
+            elif room.claimed_by is not None:
+                self._fail(room, f"bootstrap_room {room_id} is used by two prefill requests at once", "aborted")
+            elif room.state == "registered":
+                room.state = "queued"
+            room.claimed_by, room.prompt_len, room.digest = rid, prompt_len, digest
+            if room.state == "queued":
+                self._check_same_request(room)
+            return room
+
+    def start_transfer(self, room_id: int) -> Registration | None:
+        """queued -> transferring, atomically against a cancel: the destination to write, or None
+        when the room is no longer queued (then nothing may be written)."""
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.state != "queued":
+                return None
+            room.state = "transferring"
+            return room.registration
+
+    def get(self, room_id: int) -> Room | None:
+        with self._lock:
+            return self._rooms.get(room_id)
+
+    def set_state(self, room_id: int, state: str, message: str = "", code: str = "") -> None:
+        with self._lock:
+            room = self._rooms.get(room_id)
+            if room is None or room.state in ("done", "failed"):
+                return
+            if state == "failed":
+                self._fail(room, message, code)
+            else:
+                room.state, room.message = state, message
+                if state == "done":
+                    room.finished_at = time.monotonic()
+
+    def expire(self, now: float, bootstrap_timeout: float) -> None:
+        """Fail rooms whose prefill leg never came; forget long-finished rooms."""
+        with self._lock:
+            for room in list(self._rooms.values()):
+                if room.state == "registered" and now - room.created > bootstrap_timeout:
+                    self._fail(
+                        room, f"no prefill request arrived for bootstrap_room {room.room} within {bootstrap_timeout:g}s",
+                        "deadline_exceeded",
+                    )
+                elif room.finished_at is not None and now - room.finished_at > FINISHED_ROOM_RETENTION_S:
+                    del self._rooms[room.room]
+
+    def _check_same_request(self, room: Room) -> None:
+        reg = room.registration
+        if reg.prompt_len != room.prompt_len or reg.digest != room.digest:
+            self._fail(
+                room,
+                f"wrong bootstrap_room {room.room}: the decode registered request {reg.request_id!r} "
+                f"({reg.prompt_len} prompt tokens), the prefill holds a different prompt ({room.prompt_len} tokens)",
+                "failed_precondition",
+            )
+
+    @staticmethod
+    def _fail(room: Room, message: str, code: str) -> None:
+        room.state, room.message, room.code, room.finished_at = "failed", message, code or "aborted", time.monotonic()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    table: RoomTable  # set on the per-server subclass
+
+    def log_message(self, fmt, *args):  # route http.server's access log to logging, quietly
+        log.debug(fmt, *args)
+
+    def _reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/layout":
+            self._reply(200, {"layout": self.table.layout.to_json(), "session": self.table.session})
+        elif self.path == "/health":
+            self._reply(200, {"ok": True})
+        else:
+            self._reply(404, {"error": f"no such path {self.path}"})
+
+    def do_POST(self):
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path == "/v1/peers":
+                self.table.add_peer(body)
+                self._reply(200, {"ok": True})
+            elif self.path == "/v1/rooms":
+                room = self.table.register(body)
+                if room.state == "failed":
+                    self._reply(409, {"error": room.message})
+                else:
+                    self._reply(200, {"state": room.state})
+            elif self.path == "/v1/status":
+                self._reply(200, {"rooms": self.table.status([int(r) for r in body["rooms"]])})
+            elif self.path.startswith("/v1/rooms/") and self.path.endswith("/cancel"):
+                room_id = int(self.path.split("/")[3])
+                self._reply(200, {"state": self.table.cancel(room_id, body.get("message", "cancelled by the decode side"))})
+            else:
+                self._reply(404, {"error": f"no such path {self.path}"})
+        except LayoutMismatch as e:
+            self._reply(409, {"error": str(e)})
+        except KeyError as e:
+            self._reply(404, {"error": str(e.args[0]) if e.args else "missing field"})
+        except (ValueError, TypeError) as e:
+            self._reply(400, {"error": str(e)})
+
+
+class BootstrapService:
+    """The HTTP server around a RoomTable, on its own daemon threads."""
+
+    def __init__(self, table: RoomTable, host: str, port: int):
+        handler = type("BootstrapHandler", (_Handler,), {"table": table})
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            raise OSError(f"--bootstrap-port {port}: cannot listen on {host}:{port}: {e}") from e
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="tandem-bootstrap", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class BootstrapError(RuntimeError):
+    """A bootstrap call failed. `unreachable`: no answer at all (the peer may be dead)."""
+
+    def __init__(self, message: str, unreachable: bool = False, conflict: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
+        self.conflict = conflict
+
+
+class BootstrapClient:
+    """The decode side's calls to one prefill's bootstrap service."""
+
+    def __init__(self, host: str, port: int, timeout: float = 5.0):
+        self.address = f"{host}:{port}"
+        self.base = f"http://{host}:{port}"
+        self.timeout = timeout
+
+    def _call(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            try:
+                detail = json.load(e).get("error", "")
+            except ValueError:
+                detail = e.reason
+            raise BootstrapError(f"bootstrap service {self.address}: {detail}", conflict=e.code == 409) from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise BootstrapError(f"bootstrap service {self.address} unreachable: {reason}", unreachable=True) from None
+
+    def layout(self) -> tuple[KVLayout, str]:
+        body = self._call("/v1/layout")
+        return KVLayout.from_json(body["layout"]), body["session"]
+
+    def add_peer(self, decode_id: str, session: str, layout: KVLayout, kv: KVBuffer, record_base: int) -> None:
+        self._call("/v1/peers", {"decode_id": decode_id, "session": session, "layout": layout.to_json(),
+                                 "kv_base": kv.base, "num_pages": kv.num_pages, "record_base": record_base})
+
+    def register(self, room: int, decode_id: str, request_id: str, prompt_len: int, digest: int,
+                 pages: list[int], record_slot: int) -> str:
+        body = self._call("/v1/rooms", {"room": room, "decode_id": decode_id, "request_id": request_id,
+                                        "prompt_len": prompt_len, "digest": digest, "pages": pages,
+                                        "record_slot": record_slot})
+        return body["state"]
+
+    def cancel(self, room: int, message: str) -> str:
+        return self._call(f"/v1/rooms/{room}/cancel", {"message": message})["state"]
+
+    def status(self, rooms: list[int]) -> dict[int, dict]:
+        """room -> {"state", "message", "code"}"""
+        return {int(r): v for r, v in self._call("/v1/status", {"rooms": rooms})["rooms"].items()}

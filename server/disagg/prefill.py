@@ -1,0 +1,166 @@
+"""PrefillConnector: a prefill server's side of disaggregation.
+
+Request path: bootstrap queue (until the decode has registered its destination pages for the
+request's room) -> the scheduler (waiting, forward pass, exactly one sampled token: the request
+ends there and its gRPC stream closes) -> inflight (its pages are written to the decode with
+Mooncake, then the arrival record) -> done (pages released; the prompt stays in the prefix cache).
+
+Ownership: while inflight, the request's slot and pages belong to this connector; nothing writes
+them (the prompt's KV is final), and they are released only when the write has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tandem.kernels.kv_cache import PagedKVCache
+from tandem.server.config import DisaggConfig
+from tandem.server.disagg.bootstrap import BootstrapService, RoomTable
+from tandem.server.disagg.connector import KVConnector, deadline, end
+from tandem.server.disagg.layout import KVBuffer, KVLayout, prompt_digest, write_list
+from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, MooncakeTransfer, RecordBuffer
+from tandem.server.memory import KVMemory
+from tandem.server.request import Request
+from tandem.server.sampling_params import InvalidRequestError
+
+log = logging.getLogger("tandem.prefill")
+
+
+@dataclass
+class _Send:
+    req: Request
+    future: Future
+    started: float
+    nbytes: int
+
+
+class PrefillConnector(KVConnector):
+    role = "prefill"
+
+    def __init__(self, config: DisaggConfig, listen_host: str, advertise_host: str, layout: KVLayout,
+                 kv_cache: PagedKVCache, memory: KVMemory, wake: Callable[[], None]):
+        super().__init__()
+        self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
+        self.device = kv_cache.device
+        self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
+        self.kv = KVBuffer(self.transfer.register(kv_cache.buffer), kv_cache.num_pages)
+        self.records = RecordBuffer(memory.slots.num_slots)  # staging: one record per request slot
+        self.transfer.register(self.records.tensor)
+        self.table = RoomTable(layout, self.transfer.session, wake)
+        self.service = BootstrapService(self.table, listen_host, config.bootstrap_port)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-send")
+        self.waiting_for_peer: dict[str, tuple[Request, float]] = {}  # the bootstrap queue: rid -> (req, deadline)
+        self.scheduled: dict[str, Request] = {}  # handed to the scheduler, not yet ended
+        self.inflight: dict[str, _Send] = {}
+        self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0}
+        log.info("bootstrap service on %s:%d, Mooncake session %s (%s)", listen_host, config.bootstrap_port,
+                 self.transfer.session, config.kv_transfer_protocol)
+
+    def check_request(self, req: Request) -> None:
+        if req.bootstrap is None:
+            raise InvalidRequestError(
+                "disaggregated_params", "required on a prefill server (bootstrap_host, bootstrap_port, bootstrap_room; the router sets them)"
+            )
+        req.max_new_tokens = 1  # the first output token goes to the decode with the KV
+
+    def add(self, req: Request) -> None:
+        self.table.claim(req.bootstrap.room, req.rid, req.prompt_len, prompt_digest(req.token_ids[: req.prompt_len]))
+        self.waiting_for_peer[req.rid] = (req, deadline(self.config.bootstrap_timeout))
+
+    def poll(self) -> list[Request]:
+        now = time.monotonic()
+        self.table.expire(now, self.config.bootstrap_timeout)
+        ended = []
+        for rid, (req, due) in list(self.waiting_for_peer.items()):
+            room = self.table.get(req.bootstrap.room)
+            if room.state == "failed":
+                del self.waiting_for_peer[rid]
+                self.counters["bootstrap_failures"] += 1
+                ended.append(end(req, room.message, room.code))
+            elif room.state == "queued":
+                del self.waiting_for_peer[rid]
+                self.scheduled[rid] = req
+                self.scheduler.add(req)
+            elif now > due:
+                del self.waiting_for_peer[rid]
+                message = (f"no decode server registered bootstrap_room {req.bootstrap.room} within "
+                           f"{self.config.bootstrap_timeout:g}s (--bootstrap-timeout)")
+                self.table.set_state(req.bootstrap.room, "failed", message, "deadline_exceeded")
+                self.counters["bootstrap_failures"] += 1
+                ended.append(end(req, message, "deadline_exceeded"))
+        for rid, req in list(self.scheduled.items()):  # the decode side gave up: stop computing
+            room = self.table.get(req.bootstrap.room)
+            if room is not None and room.state == "failed":
+                self.scheduler.abort(rid, room.message, room.code)
+        for rid, send in list(self.inflight.items()):
+            if send.future.done():
+                del self.inflight[rid]
+                self._sent(send)
+        return ended
+
+    def keep_kv(self, req: Request) -> bool:
+        self.scheduled.pop(req.rid, None)
+        reg = None if req.finish.reason == "abort" else self.table.start_transfer(req.bootstrap.room)
+        if reg is None:
+            message = f"the prefill request ended before its KV was sent: {req.finish.message or req.finish.reason}"
+            self.table.set_state(req.bootstrap.room, "failed", message, req.finish.code or "aborted")
+            return False
+        if self.device.type == "cuda":  # the forward pass that wrote these pages must be done
+            torch.cuda.current_stream(self.device).synchronize()
+        need = -(-req.prompt_len // self.layout.page_size)
+        srcs, dsts, lens = write_list(self.layout, self.kv, reg.peer.kv, req.pages[:need], reg.pages)
+        logprob = req.output_logprobs[0] if req.output_logprobs else 0.0
+        self.records.write(req.slot, ArrivalRecord(req.bootstrap.room, req.token_ids[req.prompt_len], req.num_cached_prompt, logprob))
+        record = (self.records.address(req.slot), reg.peer.record_base + reg.record_slot * RECORD_BYTES)
+        future = self.pool.submit(self._write, reg.peer.session, srcs, dsts, lens, record)
+        future.add_done_callback(lambda _: self.wake())
+        self.inflight[req.rid] = _Send(req, future, time.monotonic(), sum(lens))
+        return True
+
+    def _write(self, session: str, srcs, dsts, lens, record: tuple[int, int]) -> None:
+        """On a sender thread: the KV pages, then (only once they are all written) the record."""
+        self.transfer.write(session, srcs, dsts, lens)
+        self.transfer.write(session, [record[0]], [record[1]], [RECORD_BYTES])
+
+    def _sent(self, send: _Send) -> None:
+        req = send.req
+        self.memory.release(req)
+        error = send.future.exception()
+        if error is None:
+            self.counters["kv_transfer_bytes"] += send.nbytes
+            self.on_transfer(time.monotonic() - send.started)
+            self.table.set_state(req.bootstrap.room, "done")
+        else:
+            log.warning("KV transfer for %s (room %d) failed: %s", req.rid, req.bootstrap.room, error)
+            self.counters["kv_transfer_failures"] += 1
+            self.table.set_state(req.bootstrap.room, "failed", f"KV transfer failed: {error}", "unavailable")
+
+    def abort(self, rid: str, message: str) -> Request | None:
+        entry = self.waiting_for_peer.pop(rid, None)
+        if entry is None:
+            return None  # inflight requests already ended for their caller; the write finishes
+        req = entry[0]
+        self.table.set_state(req.bootstrap.room, "failed", f"the prefill request was aborted: {message}", "aborted")
+        return end(req, message, None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_for_peer or self.inflight)
+
+    def idle_wait(self) -> float | None:
+        return 0.05 if self.has_work() else None  # registrations and sends wake the loop; this is for deadlines
+
+    def held(self) -> list[Request]:
+        return [s.req for s in self.inflight.values()]
+
+    def stats(self) -> dict[str, int]:
+        return {"bootstrap_queue": len(self.waiting_for_peer), "inflight_queue": len(self.inflight), **self.counters}
+
+    def close(self) -> None:
+        self.service.close()
+        self.pool.shutdown(wait=True)
