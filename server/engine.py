@@ -80,6 +80,7 @@ class RequestStream:
             finish_reason=last.finish_reason,
             matched_stop=last.matched_stop,
             error=last.error,
+            error_code=last.error_code,
             cached_tokens=last.cached_tokens,
             logprobs=lps,
             top_logprobs=tops,

@@ -31,6 +31,7 @@ class CompletedOutput:
     finish_reason: str | None
     matched_stop: int | str | None = None
     error: str | None = None
+    error_code: str | None = None
     cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -161,6 +161,7 @@ class DecodeConnector(KVConnector):
         if p.stage == "prealloc":
             if peer.state == "failed":
                 self.counters["bootstrap_failures"] += 1
+                self.pool.submit(self._cancel, peer.client, room, peer.error)  # end the prefill leg now, if it can hear
                 return self._fail(p, peer.error, peer.code)
             if peer.state == "ready" and self._reserve(req):
                 self.records.clear(req.slot)

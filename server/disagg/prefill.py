@@ -153,7 +153,9 @@ class PrefillConnector(KVConnector):
         return bool(self.waiting_for_peer or self.inflight)
 
     def idle_wait(self) -> float | None:
-        return 0.05 if self.has_work() else None  # registrations and sends wake the loop; this is for deadlines
+        # Registrations and finished sends wake the loop; this is for deadlines, including those
+        # of rooms a decode registered for a prefill request that never comes.
+        return 0.05 if self.has_work() else 0.5
 
     def held(self) -> list[Request]:
         return [s.req for s in self.inflight.values()]

@@ -1,0 +1,119 @@
+"""The pure pieces of disaggregation: page runs and addresses, layout checks, arrival records and
+the bootstrap service's room state machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.server.disagg.bootstrap import RoomTable
+from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch, page_runs, prompt_digest, write_list
+from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, RecordBuffer
+
+LAYOUT = KVLayout(model="llama:m", kv_dtype="float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=2, page_bytes=32)
+
+
+def test_page_runs_coalesce_where_both_sides_are_consecutive():
+    assert page_runs([3, 4, 5, 9, 10], [7, 8, 9, 1, 2]) == [(3, 7, 3), (9, 1, 2)]
+    assert page_runs([1, 2, 3], [5, 4, 3]) == [(1, 5, 1), (2, 4, 1), (3, 3, 1)]
+    assert page_runs([], []) == []
+    with pytest.raises(ValueError, match="2 source pages for 1"):
+        page_runs([1, 2], [1])
+
+
+def test_write_list_addresses_every_layer_k_and_v():
+    src, dst = KVBuffer(base=1000, num_pages=10), KVBuffer(base=50_000, num_pages=6)
+    srcs, dsts, lens = write_list(LAYOUT, src, dst, [2, 3], [4, 5])
+    assert len(srcs) == 4 and lens == [64] * 4  # one run x 2 layers x K,V; two pages each
+    # (layer, kv) blocks are num_pages pages apart; page p starts p * page_bytes in.
+    assert srcs == [1000 + (b * 10 + 2) * 32 for b in range(4)]
+    assert dsts == [50_000 + (b * 6 + 4) * 32 for b in range(4)]
+
+
+def test_layout_mismatch_names_every_field():
+    other = KVLayout(**{**LAYOUT.to_json(), "page_size": 8, "kv_dtype": "bfloat16"})
+    LAYOUT.check_compatible(KVLayout.from_json(LAYOUT.to_json()))
+    with pytest.raises(LayoutMismatch, match=r"kv_dtype: 'float32' here, 'bfloat16' peer; page_size: 4 here, 8 peer"):
+        LAYOUT.check_compatible(other)
+
+
+def test_arrival_record_round_trip_and_torn_reads():
+    rec = ArrivalRecord(room=123, first_token=42, cached_tokens=16, logprob=-0.5)
+    assert ArrivalRecord.unpack(rec.pack()) == rec
+    assert ArrivalRecord.unpack(bytes(RECORD_BYTES)) is None  # empty slot
+    torn = bytearray(rec.pack())
+    torn[8] ^= 1  # first token half-written
+    assert ArrivalRecord.unpack(bytes(torn)) is None
+    buf = RecordBuffer(3)
+    buf.write(2, rec)
+    assert buf.read(2) == rec and buf.read(1) is None
+    buf.clear(2)
+    assert buf.read(2) is None
+
+
+def _register(table, room, prompt=(1, 2, 3, 4, 5), pages=(0, 1)):
+    return table.register({"room": room, "decode_id": "d", "request_id": "r", "prompt_len": len(prompt),
+                           "digest": prompt_digest(list(prompt)), "pages": list(pages), "record_slot": 0})
+
+
+@pytest.fixture
+def table():
+    wakes = []
+    t = RoomTable(LAYOUT, "127.0.0.1:1", wake=lambda: wakes.append(1))
+    t.add_peer({"decode_id": "d", "session": "127.0.0.1:2", "layout": LAYOUT.to_json(), "kv_base": 0, "num_pages": 8, "record_base": 0})
+    t.wakes = wakes
+    return t
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_room_pairs_in_either_order(table, decode_first):
+    prompt = [1, 2, 3, 4, 5]
+    if decode_first:
+        assert _register(table, 7).state == "registered"
+        assert table.claim(7, "p", 5, prompt_digest(prompt)).state == "queued"
+    else:
+        assert table.claim(7, "p", 5, prompt_digest(prompt)).state == "claimed"
+        assert _register(table, 7).state == "queued"
+    assert table.start_transfer(7).pages == [0, 1]
+    assert table.cancel(7, "late") == "transferring"  # a write in flight is not cut off
+    table.set_state(7, "done")
+    assert table.status([7, 8]) == {"7": {"state": "done", "message": "", "code": ""},
+                                    "8": {"state": "unknown", "message": "", "code": ""}}
+    assert table.wakes  # the loop is nudged on registration
+
+
+def test_wrong_room_fails_both_legs(table):
+    table.claim(7, "p", 5, prompt_digest([9, 9, 9, 9, 9]))
+    room = _register(table, 7)
+    assert room.state == "failed" and "wrong bootstrap_room 7" in room.message and room.code == "failed_precondition"
+
+
+def test_cancel_before_transfer_blocks_it(table):
+    _register(table, 7)
+    table.claim(7, "p", 5, prompt_digest([1, 2, 3, 4, 5]))
+    assert table.cancel(7, "client went away") == "failed"
+    assert table.start_transfer(7) is None
+    # A cancel for a room nobody has seen makes a later prefill leg fail at once.
+    table.cancel(9, "decode refused")
+    assert table.claim(9, "p2", 5, 0).state == "failed"
+
+
+def test_registration_is_validated(table):
+    with pytest.raises(ValueError, match="2 destination pages for 9 prompt tokens; need 3"):
+        _register(table, 7, prompt=range(9))
+    with pytest.raises(ValueError, match=r"need 2 in \[0, 8\)"):
+        _register(table, 7, pages=(0, 8))
+    with pytest.raises(KeyError, match="not registered"):
+        table.register({"decode_id": "nobody", "room": 1})
+    _register(table, 7)
+    with pytest.raises(ValueError, match="already registered"):
+        _register(table, 7)
+
+
+def test_unclaimed_rooms_expire(table):
+    room = _register(table, 7)
+    table.expire(room.created + 1.0, bootstrap_timeout=5.0)
+    assert table.get(7).state == "registered"
+    table.expire(room.created + 6.0, bootstrap_timeout=5.0)
+    assert table.get(7).state == "failed" and table.get(7).code == "deadline_exceeded"
+    table.expire(room.created + 6.0 + 1000, bootstrap_timeout=5.0)
+    assert table.get(7) is None  # forgotten long after it finished
