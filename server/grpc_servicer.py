@@ -135,6 +135,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if cancelled.is_set():
             for s in streams:
                 s.abort()
+        # Accepted: answer with headers now. The router treats a leg with no response at all for
+        # a few seconds as a silent (dead) worker, and a queued or long prompt takes longer.
+        context.send_initial_metadata(())
         try:
             for index, stream in enumerate(streams):
                 yield from self._respond(rid, index, stream, request.stream, cancelled, context)

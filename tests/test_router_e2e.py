@@ -4,8 +4,6 @@ text completions, streaming and not, errors mapped to HTTP statuses, nothing lef
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +13,7 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
-from serving import ServerProcess, free_port
+from serving import RouterProcess, ServerProcess, http_post
 from tandem.server.sampling_params import SamplingParams
 
 POOL = 4096
@@ -28,41 +26,13 @@ def stack(tmp_path_factory):
     server = ServerProcess("--max-total-tokens", str(POOL), "--served-model-name", "smollm2", log_path=logs / "server.log")
     with grpc.insecure_channel(server.target) as channel:
         tokenizer_dir = pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
-    port = free_port()
-    router_log = open(logs / "router.log", "w")
-    router = subprocess.Popen(
-        [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
-         "--worker-urls", f"grpc://{server.target}", "--model-path", tokenizer_dir,
-         "--worker-startup-check-interval", "1", "--log-level", "warn",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-        stdout=router_log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:  # ready once the worker is registered and the model listed
-        assert router.poll() is None, (logs / "router.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as r:
-                if any(m["id"] == "smollm2" for m in json.load(r)["data"]):
-                    break
-        except (urllib.error.URLError, ConnectionError, KeyError):
-            pass
-        assert time.monotonic() < deadline, "router never listed the model"
-        time.sleep(0.5)
-    yield base, server
-    router.terminate()
-    router.wait(30)
-    router_log.close()
+    router = RouterProcess("--worker-urls", f"grpc://{server.target}", tokenizer_dir=tokenizer_dir, log_path=logs / "router.log")
+    yield router.base, server
+    router.stop()
     assert server.stop() == 0
 
 
-def post(base: str, path: str, body: dict, timeout: float = 120):
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+post = http_post
 
 
 @pytest.fixture(scope="module")
