@@ -145,9 +145,19 @@ def cmd_bench_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from tandem.server.demo import run_offline_demo
+    from tandem.server.demo import run_offline_demo, run_pd_demo
 
-    return run_offline_demo(config_from_args(args), args.max_new_tokens)
+    if args.offline:
+        return run_offline_demo(config_from_args(args), args.max_new_tokens)
+    engine_args = [f"--{f.name.replace('_', '-')}={getattr(args, f.name)}" for f in dataclasses.fields(EngineConfig)
+                   if getattr(args, f.name) != f.default]
+    if args.max_total_tokens is None:  # two servers on one machine: a modest pool each
+        engine_args.append("--max-total-tokens=32768")
+    try:
+        return run_pd_demo(engine_args, args.max_new_tokens, args.keep_running, args.log_dir)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_bench_offline(args) -> int:
@@ -195,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     cgen.add_argument("--prompt", required=True)
     cgen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     cgen.add_argument("--model", default=EngineConfig.model, help="where the tokenizer comes from")
+    cgen.add_argument("--prefill-target", help="HOST:PORT of a prefill server: send a disaggregated request "
+                      "(prefill leg there, decode leg to --target)")
+    cgen.add_argument("--bootstrap-port", type=int, default=8998, help="the prefill server's bootstrap port")
     _sampling_arguments(cgen)
     cgen.set_defaults(func=cmd_client_generate)
 
@@ -204,8 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
-    demo = sub.add_parser("demo", help="load the built-in model and stream a few answers")
+    demo = sub.add_parser("demo", help="prefill + decode servers and the smg router on 127.0.0.1; stream a few chat answers")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--keep-running", action="store_true", help="leave the stack up and print how to call it")
+    demo.add_argument("--offline", action="store_true", help="no servers: run the engine in this process")
+    demo.add_argument("--log-dir", help="where the servers and the router log (default: a new temporary directory)")
     add_config_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 

@@ -3,7 +3,9 @@ tandem server (SGLang's scheduler protocol), detokenizes as they arrive."""
 
 from __future__ import annotations
 
+import random
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +28,9 @@ class ClientResult:
     latency: float = 0.0
 
 
-def request_message(prompt_ids: list[int], params: SamplingParams, rid: str | None = None, stream: bool = True) -> pb.GenerateRequest:
+def request_message(prompt_ids: list[int], params: SamplingParams, rid: str | None = None, stream: bool = True,
+                    bootstrap: tuple[str, int, int] | None = None) -> pb.GenerateRequest:
+    """`bootstrap` (prefill host, bootstrap port, room): both legs of a disaggregated request carry it."""
     sp = pb.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -43,13 +47,17 @@ def request_message(prompt_ids: list[int], params: SamplingParams, rid: str | No
     )
     if params.max_new_tokens is not None:
         sp.max_new_tokens = params.max_new_tokens
-    return pb.GenerateRequest(
+    message = pb.GenerateRequest(
         request_id=rid or uuid.uuid4().hex,
         tokenized=pb.TokenizedInput(input_ids=prompt_ids),
         sampling_params=sp,
         return_logprob=params.logprobs,
         stream=stream,
     )
+    if bootstrap is not None:
+        host, port, room = bootstrap
+        message.disaggregated_params.CopyFrom(pb.DisaggregatedParams(bootstrap_host=host, bootstrap_port=port, bootstrap_room=room))
+    return message
 
 
 class Client:
@@ -101,7 +109,8 @@ def _params(args) -> SamplingParams:
     return _sampling_params(args)
 
 
-def _stream_to_terminal(client: Client, tokenizer, prompt_ids: list[int], params: SamplingParams) -> tuple[ClientResult, str]:
+def _stream_to_terminal(client: Client, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                        bootstrap: tuple[str, int, int] | None = None) -> tuple[ClientResult, str]:
     from tandem.server.tokenizer import IncrementalDetokenizer
 
     detok = IncrementalDetokenizer(tokenizer)
@@ -111,7 +120,7 @@ def _stream_to_terminal(client: Client, tokenizer, prompt_ids: list[int], params
             sys.stdout.write(detok.push(token))
         sys.stdout.flush()
 
-    result = client.stream(request_message(prompt_ids, params), on_tokens=show)
+    result = client.stream(request_message(prompt_ids, params, bootstrap=bootstrap), on_tokens=show)
     return result, detok.text
 
 
@@ -129,15 +138,33 @@ def generate(args) -> int:
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     client = Client(args.target)
+    prefill = None
     try:
-        result, _ = _stream_to_terminal(client, tokenizer, tokenizer.encode(text), _params(args))
+        ids, params = tokenizer.encode(text), _params(args)
+        bootstrap = None
+        if args.prefill_target:  # disaggregated: the prefill leg in the background, the decode leg streamed here
+            host = args.prefill_target.rsplit(":", 1)[0]
+            bootstrap = (host, args.bootstrap_port, random.randrange(1 << 31))
+            prefill = Client(args.prefill_target)
+            message = request_message(ids, params, bootstrap=bootstrap)
+            threading.Thread(target=_quietly, args=(prefill.stream, message), daemon=True).start()
+        result, _ = _stream_to_terminal(client, tokenizer, ids, params, bootstrap)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     finally:
         client.close()
+        if prefill is not None:
+            prefill.close()
     _report(result)
     return 0
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except grpc.RpcError:
+        pass  # the decode leg reports what went wrong
 
 
 def chat(args) -> int:

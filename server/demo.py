@@ -1,10 +1,18 @@
-"""`tandem demo`, offline form: load the built-in model, stream a few chat answers, report speed."""
+"""`tandem demo`: the whole disaggregated stack on 127.0.0.1 (a prefill server, a decode server
+and the smg router in PD mode), a few chat questions streamed through the router's OpenAI
+endpoint with TTFT and tokens/s, then a clean shutdown. `--offline` runs the engine in-process
+instead, with no servers.
+"""
 
 from __future__ import annotations
 
+import http.client
+import json
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from tandem.server.config import EngineConfig
 from tandem.server.sampling_params import SamplingParams
@@ -68,3 +76,93 @@ def run_offline_demo(config: EngineConfig, max_new_tokens: int) -> int:
         total = sum(tokens)
         print(f"\n[{len(streams)} requests, {total} tokens in {elapsed:.2f}s: {total / elapsed:.1f} tokens/s]")
     return 0
+
+
+def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool, log_dir: str | None) -> int:
+    from tandem.server.stack import LocalStack
+
+    logs = Path(log_dir or tempfile.mkdtemp(prefix="tandem-demo-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    stack = LocalStack(logs, tuple(engine_args))
+    try:
+        t0 = time.monotonic()
+        print(f"starting a prefill server, a decode server and the smg router (logs in {logs}) ...", flush=True)
+        prefill, decode = stack.start_server("prefill"), stack.start_server("decode")
+        stack.wait()
+        base = stack.start_router()
+        print(f"up in {time.monotonic() - t0:.1f}s: prefill grpc://{prefill.target} (bootstrap :{prefill.bootstrap_port}), "
+              f"decode grpc://{decode.target}, router {base}", flush=True)
+        total_tokens, total_time = 0, 0.0
+        for question in QUESTIONS:
+            print(f"\n>>> {question}", flush=True)
+            tokens, ttft, elapsed = _stream_chat(base, stack.model_name, question, max_new_tokens)
+            total_tokens, total_time = total_tokens + tokens, total_time + elapsed
+            rate = (tokens - 1) / (elapsed - ttft) if tokens > 1 and elapsed > ttft else 0.0
+            print(f"\n  [TTFT {ttft * 1000:.0f} ms, {tokens} tokens, {rate:.1f} tokens/s]", flush=True)
+        kv = sum(_metric(s.metrics_text(), "tandem_kv_transfer_bytes_total") for s in (prefill,))
+        print(f"\n[{len(QUESTIONS)} requests, {total_tokens} tokens in {total_time:.2f}s; "
+              f"{kv / 1e6:.1f} MB of KV moved prefill -> decode over Mooncake]", flush=True)
+        if keep_running:
+            _print_how_to_call(base, prefill, decode, stack.model_name)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\ninterrupted", flush=True)
+    finally:
+        print("shutting down ...", flush=True)
+        stack.close()
+    return 0
+
+
+def _stream_chat(base: str, model: str, question: str, max_new_tokens: int) -> tuple[int, float, float]:
+    """Stream one chat answer to stdout; (completion tokens, TTFT, total seconds)."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_new_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"router answered HTTP {resp.status}: {resp.read()[:300]!r}")
+    ttft, tokens, chunks = None, None, 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        for choice in event.get("choices", []):
+            text = choice.get("delta", {}).get("content")
+            if text:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                chunks += 1
+                sys.stdout.write(text)
+                sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return tokens if tokens is not None else chunks, ttft or elapsed, elapsed
+
+
+def _metric(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def _print_how_to_call(base: str, prefill, decode, model: str) -> None:
+    print(f"""
+The stack keeps running (Ctrl-C stops it). Call it:
+
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
+
+  # gRPC (SGLang's scheduler protocol): a disaggregated request goes to both servers with the
+  # same bootstrap room; the router does that pairing, so call the router or run both legs:
+  tandem client generate --target {decode.target} --prefill-target {prefill.target} \\
+      --bootstrap-port {prefill.bootstrap_port} --prompt "What is a KV cache?" --chat
+
+Metrics: http://127.0.0.1:{prefill.metrics_port}/metrics (prefill), http://127.0.0.1:{decode.metrics_port}/metrics (decode)
+""", flush=True)

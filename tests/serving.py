@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
-import grpc
+from tandem.server.stack import free_port, http_post, wait_healthy, wait_router_ready
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["RouterProcess", "ServerProcess", "free_port", "http_post", "metric_value"]
 
 
 class ServerProcess:
@@ -37,21 +29,7 @@ class ServerProcess:
             self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 240) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.3)
-        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+        wait_healthy(self.target, self.proc, self.log_path, timeout)
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
@@ -84,15 +62,7 @@ class RouterProcess:
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=self._log, stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 120
-        probe = {"model": model, "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-        while True:  # workers registered, tokenizer loaded, a request goes through
-            assert self.proc.poll() is None, log_path.read_text()[-3000:]
-            status, _ = self.post("/generate", probe, timeout=30)
-            if status == 200:
-                return
-            assert time.monotonic() < deadline, f"router not ready ({status}):\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.5)
+        wait_router_ready(self.base, self.proc, log_path, model)
 
     def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
         return http_post(self.base, path, body, timeout)
@@ -101,18 +71,6 @@ class RouterProcess:
         self.proc.terminate()
         self.proc.wait(30)
         self._log.close()
-
-
-def http_post(base: str, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
-    """POST JSON; (HTTP status, body), or (0, why) when nothing answered."""
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        return 0, str(e)
 
 
 def metric_value(text: str, name: str) -> float:

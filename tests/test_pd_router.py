@@ -18,6 +18,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from conftest import assert_matches_reference
 from serving import RouterProcess, ServerProcess, free_port, metric_value
+from tandem.server.stack import ROUTER_PD_ARGS
 
 NEW_TOKENS = 12
 ENGINE = ("--max-total-tokens", "16384", "--served-model-name", "smollm2", "--bootstrap-timeout", "20", "--peer-timeout", "2")
@@ -37,9 +38,8 @@ class Stack:
             tokenizer_dir = pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
 
         def workers(prefills, decodes):
-            # A CPU prefill of a dozen long prompts runs far past smg's 3 s silence bound for a leg.
-            args = ["--pd-disaggregation", "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
-                    "--disable-retries", "--worker-wedge-secs", "120"]
+            args = ["--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin",
+                    "--decode-policy", "round_robin", "--disable-retries"]
             for p in prefills:
                 args += ["--prefill", f"grpc://{p.target}", str(self.bootstrap_ports[self.prefills.index(p)])]
             for d in decodes:
