@@ -92,19 +92,24 @@ def run(args) -> int:
         run_one, close = _openai_runner(args.target, source.name, load_tokenizer(source))
     else:
         run_one, close = _grpc_runner(args.target)
+    result = {"bench": "serve", "transport": "openai-http" if args.openai else "grpc", **drive(run_one, work, args.concurrency)}
+    close()
+    print(json.dumps(result))
+    return 0
+
+
+def drive(run_one, work: list, concurrency: int) -> dict:
+    """Run the workload at a fixed concurrency; throughput, TTFT and TPOT percentiles."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
+    with ThreadPoolExecutor(concurrency) as pool:
         samples = list(pool.map(lambda w: run_one(*w), work))
     elapsed = time.perf_counter() - start
-    close()
     tokens = sum(s.output_tokens for s in samples)
     ttfts = [s.ttft for s in samples]
     tpots = [s.tpot for s in samples if s.tpot is not None]
-    result = {
-        "bench": "serve",
-        "transport": "openai-http" if args.openai else "grpc",
+    return {
         "num_requests": len(work),
-        "concurrency": args.concurrency,
+        "concurrency": concurrency,
         "output_tokens": tokens,
         "seconds": round(elapsed, 2),
         "output_tokens_per_s": round(tokens / elapsed, 1),
@@ -114,5 +119,3 @@ def run(args) -> int:
         "tpot_p99_ms": round(percentile(tpots, 99) * 1000, 1),
         "tpot_mean_ms": round(statistics.mean(tpots) * 1000, 1),
     }
-    print(json.dumps(result))
-    return 0

@@ -30,6 +30,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls=EngineConfig) -> N
         parser.add_argument(flag, **kwargs)
 
 
+def changed_engine_flags(args: argparse.Namespace) -> list[str]:
+    """The EngineConfig flags given on this command line, to pass on to `tandem serve`."""
+    return [f"--{f.name.replace('_', '-')}={getattr(args, f.name)}" for f in dataclasses.fields(EngineConfig)
+            if getattr(args, f.name) != f.default]
+
+
 def config_from_args(args: argparse.Namespace, cls=EngineConfig):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
@@ -149,8 +155,7 @@ def cmd_demo(args) -> int:
 
     if args.offline:
         return run_offline_demo(config_from_args(args), args.max_new_tokens)
-    engine_args = [f"--{f.name.replace('_', '-')}={getattr(args, f.name)}" for f in dataclasses.fields(EngineConfig)
-                   if getattr(args, f.name) != f.default]
+    engine_args = changed_engine_flags(args)
     if args.max_total_tokens is None:  # two servers on one machine: a modest pool each
         engine_args.append("--max-total-tokens=32768")
     try:
@@ -164,6 +169,13 @@ def cmd_bench_offline(args) -> int:
     from tandem.server.bench_offline import run
 
     return run(config_from_args(args), args)
+
+
+def cmd_bench_pd(args) -> int:
+    from tandem.server.bench_pd import run
+
+    engine_args = changed_engine_flags(args)
+    return run(args, engine_args)
 
 
 def cmd_export_tokenizer(args) -> int:
@@ -247,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     bserve.add_argument("--workload-seed", type=int, default=1)
     bserve.set_defaults(func=cmd_bench_serve)
+
+    bpd = bench_sub.add_parser("pd", help="the serve workload colocated vs prefill+decode (Mooncake), behind the router, in one run")
+    bpd.add_argument("--num-requests", type=int, default=32)
+    bpd.add_argument("--concurrency", type=int, default=8)
+    bpd.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    bpd.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    bpd.add_argument("--workload-seed", type=int, default=1)
+    bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
+    add_config_arguments(bpd)
+    bpd.set_defaults(func=cmd_bench_pd)
 
     exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer files into DIR")
     exp.add_argument("dir")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.server.env import quiet_native_logs
+
 log = logging.getLogger("tandem.transfer")
 
 # Mooncake refuses very large batches (3,000 entries failed where 1,000 succeed); stay well below.
@@ -79,6 +81,7 @@ class MooncakeTransfer:
     """One Mooncake TransferEngine in P2P-handshake mode. `session` is what peers write to."""
 
     def __init__(self, host: str, protocol: str, ib_devices: str = ""):
+        quiet_native_logs()
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
