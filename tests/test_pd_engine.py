@@ -105,20 +105,37 @@ def test_prefill_leg_with_no_decode_times_out_and_frees(pd):
     assert_clean(p, d)
 
 
-@pytest.mark.parametrize("leg", ["prefill", "decode"])
-def test_abort_on_either_leg_ends_both(pd, leg):
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+def test_abort_on_either_leg_ends_both(pd, first):
+    """The leg that came first is aborted while it waits for its peer: the peer leg, arriving
+    afterwards, is refused at once instead of waiting out its timeout."""
     p, d, port = pd
-    room = random.randrange(1 << 31)
-    b = Bootstrap("127.0.0.1", port, room)
-    params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
-    # The decode leg first and alone: it registers, then waits for a prefill leg.
-    ds = d.submit(list(range(200, 1200)), params, bootstrap=b)
-    ps = p.submit(list(range(200, 1200)), params, bootstrap=b) if leg == "prefill" else None
-    time.sleep(0.3)
-    (ps if leg == "prefill" else ds).abort()
-    outs = [s.result() for s in (ps, ds) if s is not None]
-    assert all(o.finish_reason in ("abort", "length") for o in outs)
-    assert outs[-1].finish_reason == "abort" or leg == "prefill" and len(outs[-1].output_ids) == 400
+    b = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
+    prompt = list(range(200, 700))
+    engines = {"prefill": p, "decode": d}
+    early = engines[first].submit(prompt, GREEDY, bootstrap=b)
+    time.sleep(0.3)  # registered (decode) or waiting in the bootstrap queue (prefill)
+    early.abort()
+    assert early.result().finish_reason == "abort"
+    _wait_idle(p, d)  # an aborted decode leg tells the prefill side before it frees its pages
+    start = time.monotonic()
+    late = engines["decode" if first == "prefill" else "prefill"].submit(prompt, GREEDY, bootstrap=b).result()
+    assert late.finish_reason == "abort" and "aborted" in late.error
+    assert time.monotonic() - start < 2.0  # not the 3 s bootstrap timeout
+    assert_clean(p, d)
+
+
+def test_abort_while_decoding_frees_both_sides(pd):
+    p, d, port = pd
+    params = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
+    b = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
+    ps, ds = p.submit(list(range(300, 800)), params, bootstrap=b), d.submit(list(range(300, 800)), params, bootstrap=b)
+    assert ps.result().finish_reason == "length"  # the prefill leg ends after its forward pass
+    first = next(iter(ds))  # the first token arrived with the KV
+    assert first.token_ids
+    ds.abort()
+    rest = ds.result()
+    assert rest.finish_reason == "abort" and rest.error_code is None  # a client abort, not a failure
     assert_clean(p, d)
 
 

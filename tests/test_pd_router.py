@@ -144,12 +144,28 @@ def test_two_by_two_serves_forty_concurrent_requests(stack, hf_reference):
     assert_all_freed(stack.servers)
 
 
+def test_decode_leg_with_an_unreachable_prefill_fails_fast(stack):
+    """Straight to a decode server over gRPC: nothing listens on the bootstrap port."""
+    request = pb.GenerateRequest(
+        request_id="nowhere", tokenized=pb.TokenizedInput(input_ids=list(range(100, 140))),
+        sampling_params=pb.SamplingParams(temperature=0, top_p=1, top_k=-1, repetition_penalty=1, max_new_tokens=4),
+        disaggregated_params=pb.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=free_port(), bootstrap_room=5),
+    )
+    start = time.monotonic()
+    with grpc.insecure_channel(stack.decodes[0].target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.SglangSchedulerStub(channel).Generate(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "unreachable" in err.value.details()
+    assert time.monotonic() - start < 10
+    assert_all_freed(stack.decodes[:1])
+
+
 def test_prefill_killed_mid_flight(stack):
     """Last: it kills the second prefill."""
     rng = random.Random(13)
-    prompts = prompts_with(rng, [1200 + 50 * i for i in range(12)])
+    prompts = prompts_with(rng, [1000 + 50 * i for i in range(8)])
     results = []
-    sender = threading.Thread(target=lambda: results.extend(generate_all(stack.two_by_two, prompts, max_new_tokens=64, timeout=120)))
+    sender = threading.Thread(target=lambda: results.extend(generate_all(stack.two_by_two, prompts, max_new_tokens=32, timeout=120)))
     start = time.monotonic()
     sender.start()
     victim = stack.prefills[1]

@@ -132,7 +132,9 @@ class DecodeConnector(KVConnector):
             peer.status_call = None
         rooms = [p.req.bootstrap.room for p in self.pending.values() if p.peer is peer and p.stage == "transfer"]
         rooms += [q.room for q in self.quarantine if q.peer is peer]
-        if rooms and peer.status_call is None and now - peer.last_poll >= STATUS_INTERVAL_S:
+        if not rooms:
+            peer.unreachable_since = None  # only a failure while requests wait on it counts
+        elif peer.status_call is None and now - peer.last_poll >= STATUS_INTERVAL_S:
             peer.last_poll = now
             peer.status_call = self.pool.submit(peer.client.status, rooms)
         if self._dead(peer, now) and peer.state != "failed":

@@ -35,8 +35,7 @@ log = logging.getLogger("tandem.prefill")
 @dataclass
 class _Send:
     req: Request
-    future: Future
-    started: float
+    future: Future  # -> seconds the write took
     nbytes: int
 
 
@@ -120,13 +119,16 @@ class PrefillConnector(KVConnector):
         record = (self.records.address(req.slot), reg.peer.record_base + reg.record_slot * RECORD_BYTES)
         future = self.pool.submit(self._write, reg.peer.session, srcs, dsts, lens, record)
         future.add_done_callback(lambda _: self.wake())
-        self.inflight[req.rid] = _Send(req, future, time.monotonic(), sum(lens))
+        self.inflight[req.rid] = _Send(req, future, sum(lens))
         return True
 
-    def _write(self, session: str, srcs, dsts, lens, record: tuple[int, int]) -> None:
-        """On a sender thread: the KV pages, then (only once they are all written) the record."""
+    def _write(self, session: str, srcs, dsts, lens, record: tuple[int, int]) -> float:
+        """On a sender thread: the KV pages, then (only once they are all written) the record.
+        Returns the seconds the writes took."""
+        start = time.perf_counter()
         self.transfer.write(session, srcs, dsts, lens)
         self.transfer.write(session, [record[0]], [record[1]], [RECORD_BYTES])
+        return time.perf_counter() - start
 
     def _sent(self, send: _Send) -> None:
         req = send.req
@@ -134,7 +136,7 @@ class PrefillConnector(KVConnector):
         error = send.future.exception()
         if error is None:
             self.counters["kv_transfer_bytes"] += send.nbytes
-            self.on_transfer(time.monotonic() - send.started)
+            self.on_transfer(send.future.result())
             self.table.set_state(req.bootstrap.room, "done")
         else:
             log.warning("KV transfer for %s (room %d) failed: %s", req.rid, req.bootstrap.room, error)
