@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tandem.server.bench_offline import make_workload
-from tandem.server.bench_serve import _openai_runner, drive
+from tandem.server.bench_serve import openai_runner, drive
 
 
 def histogram_quantile(text: str, name: str, q: float) -> float:
@@ -90,7 +90,7 @@ def run(args, engine_args: list[str]) -> int:
             servers = [stack.start_server(role) for role in roles]
             stack.wait()
             base = stack.start_router()
-            run_one, _ = _openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
+            run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
             result = {"bench": "pd", "mode": mode, **drive(run_one, work, args.concurrency)}
             if mode == "disaggregated":
                 prefill = servers[0].metrics_text()

@@ -7,7 +7,6 @@ Every request is greedy, ignores EOS and asks for exactly its drawn output lengt
 
 from __future__ import annotations
 
-import http.client
 import json
 import statistics
 import time
@@ -43,26 +42,15 @@ def _grpc_runner(target: str):
     return run_one, client.close
 
 
-def _openai_runner(target: str, model_name: str, tokenizer):
-    host, port = target.rsplit(":", 1)
+def openai_runner(target: str, model_name: str, tokenizer):
+    from tandem.server.client import stream_openai
 
     def run_one(prompt: list[int], n: int) -> Sample:
-        body = json.dumps({
-            "model": model_name, "prompt": tokenizer.decode(prompt), "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        })
-        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        body = {"model": model_name, "prompt": tokenizer.decode(prompt), "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
         start = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
         ttft, chunks, usage = None, 0, None
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
+        for event in stream_openai(target, "/v1/completions", body):
             if event.get("usage"):
                 usage = event["usage"]
             if any(c.get("text") for c in event.get("choices", [])):
@@ -70,7 +58,6 @@ def _openai_runner(target: str, model_name: str, tokenizer):
                 if ttft is None:
                     ttft = time.perf_counter() - start
         latency = time.perf_counter() - start
-        conn.close()
         tokens = usage["completion_tokens"] if usage else chunks
         return Sample(tokens, ttft or latency, latency)
 
@@ -89,7 +76,7 @@ def run(args) -> int:
     work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
     if args.openai:
         source = resolve_model(args.model)
-        run_one, close = _openai_runner(args.target, source.name, load_tokenizer(source))
+        run_one, close = openai_runner(args.target, source.name, load_tokenizer(source))
     else:
         run_one, close = _grpc_runner(args.target)
     result = {"bench": "serve", "transport": "openai-http" if args.openai else "grpc", **drive(run_one, work, args.concurrency)}

@@ -3,6 +3,8 @@ tandem server (SGLang's scheduler protocol), detokenizes as they arrive."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import random
 import sys
 import threading
@@ -192,3 +194,21 @@ def chat(args) -> int:
     finally:
         client.close()
     return 0
+
+
+def stream_openai(target: str, path: str, body: dict):
+    """POST a streaming OpenAI-style request (the router's HTTP side) to HOST:PORT and yield each
+    server-sent event as a dict; raises RuntimeError on a non-200 answer."""
+    host, port = target.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    try:
+        conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from {target}{path}: {resp.read()[:300]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+    finally:
+        conn.close()

@@ -6,8 +6,6 @@ instead, with no servers.
 
 from __future__ import annotations
 
-import http.client
-import json
 import sys
 import tempfile
 import threading
@@ -116,21 +114,13 @@ def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool,
 
 def _stream_chat(base: str, model: str, question: str, max_new_tokens: int) -> tuple[int, float, float]:
     """Stream one chat answer to stdout; (completion tokens, TTFT, total seconds)."""
-    host, port = base.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_new_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    from tandem.server.client import stream_openai
+
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_new_tokens,
+            "temperature": 0, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"router answered HTTP {resp.status}: {resp.read()[:300]!r}")
     ttft, tokens, chunks = None, None, 0
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[5:])
+    for event in stream_openai(base, "/v1/chat/completions", body):
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
         for choice in event.get("choices", []):
@@ -142,7 +132,6 @@ def _stream_chat(base: str, model: str, question: str, max_new_tokens: int) -> t
                 sys.stdout.write(text)
                 sys.stdout.flush()
     elapsed = time.perf_counter() - start
-    conn.close()
     return tokens if tokens is not None else chunks, ttft or elapsed, elapsed
 
 

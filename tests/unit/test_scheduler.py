@@ -469,3 +469,42 @@ def test_many_requests_on_a_tight_pool_drain_cleanly(prefix_cache, mixed):
     assert sched.stats.retractions > 0, "the pool is meant to be tight enough to force retractions"
     assert all(r.output_ids == [TOKEN] * r.max_new_tokens for r in reqs)
     assert (sched.stats.prefix_hit_tokens > 0) == prefix_cache
+
+
+# -- disaggregation hooks ---------------------------------------------------------------------------
+def test_keep_kv_hands_a_finished_requests_pages_to_the_connector():
+    kept = []
+    sched = make_scheduler()
+    sched.keep_kv = lambda req: req.finish.reason != "abort" and not kept.append(req)
+    runner = FakeRunner(sched.page_size)
+    sched.add(make_request("a", list(range(10, 20)), max_new_tokens=1))
+    plan = sched.schedule()
+    sched.update(plan, runner(plan))
+    (req,) = kept
+    assert req.finished and req.slot is not None and len(req.pages) == 3  # still held: being "sent"
+    sched.check_integrity(held_elsewhere=[req])
+    with pytest.raises(AssertionError, match="slots leaked"):
+        sched.check_integrity()
+    sched.memory.release(req)
+    assert_drained(sched)
+    sched.add(make_request("b", list(range(30, 40))))
+    sched.schedule()
+    sched.abort("b")  # aborts are never kept
+    assert kept == [req]
+    assert_drained(sched)
+
+
+@pytest.mark.parametrize("first_token,finished", [(TOKEN, False), (EOS, True)])
+def test_add_prefilled_joins_running_without_a_prompt_pass(first_token, finished):
+    sched = make_scheduler()
+    runner = FakeRunner(sched.page_size)
+    prompt = list(range(10, 21))
+    req = make_request("a", prompt, max_new_tokens=3)
+    assert sched.memory.reserve(req, req.prompt_len)
+    for pos, token in enumerate(prompt):  # what the transfer wrote
+        runner.kv[runner.cell(req.pages, pos)] = token
+    sched.add_prefilled(req, first_token)
+    assert req.output_ids == [first_token] and req.finished is finished
+    plans = run_to_completion(sched, runner)
+    assert all(p.phase is Phase.DECODE for p in plans)  # the prompt never ran here
+    assert req.output_ids == ([EOS] if finished else [TOKEN] * 3)
