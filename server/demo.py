@@ -105,11 +105,19 @@ def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool,
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:
-        print("\ninterrupted", flush=True)
+        _say("\ninterrupted")
     finally:
-        print("shutting down ...", flush=True)
-        stack.close()
+        _say("shutting down ...")
+        stack.close()  # whatever happened above, the servers and the router go too
     return 0
+
+
+def _say(text: str) -> None:
+    """Print, but never fail the shutdown over a closed terminal or pipe."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        pass
 
 
 def _stream_chat(base: str, model: str, question: str, max_new_tokens: int) -> tuple[int, float, float]:

@@ -24,30 +24,38 @@ def test_pd_demo_keeps_running_until_ctrl_c(tmp_path):
          "--keep-running", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    lines = []
-    deadline = time.monotonic() + 300
-    while not any(line.startswith("Metrics:") for line in lines):  # the last line of the how-to
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, "".join(lines)
-        lines.append(line)
-    out = "".join(lines)
-    for question in QUESTIONS:
-        assert f">>> {question}" in out
-    assert "Paris" in out.split(QUESTIONS[1])[0]
-    assert len(re.findall(r"\[TTFT \d+ ms, \d+ tokens, [\d.]+ tokens/s\]", out)) == len(QUESTIONS)
-    moved = re.search(r"([\d.]+) MB of KV moved prefill -> decode", out)
-    assert moved and float(moved.group(1)) > 0
-    # The printed curl command works against the stack that is still up.
-    url = re.search(r"curl (http://127\.0\.0\.1:\d+)/v1/chat/completions", out).group(1)
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}
-    status, reply = http_post(url, "/v1/chat/completions", body)
-    assert status == 200 and json.loads(reply)["choices"][0]["message"]["content"]
-    proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0 and "shutting down" in rest
-    assert http_post(url, "/v1/chat/completions", body, timeout=5)[0] == 0  # the router is gone
-    for log in ("prefill-0.log", "decode-1.log"):
-        assert "stopped" in (tmp_path / log).read_text()  # the servers drained and exited
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("Metrics:") for line in lines):  # the last line of the how-to
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        out = "".join(lines)
+        for question in QUESTIONS:
+            assert f">>> {question}" in out
+        assert "Paris" in out.split(QUESTIONS[1])[0]
+        assert len(re.findall(r"\[TTFT \d+ ms, \d+ tokens, [\d.]+ tokens/s\]", out)) == len(QUESTIONS)
+        moved = re.search(r"([\d.]+) MB of KV moved prefill -> decode", out)
+        assert moved and float(moved.group(1)) > 0
+        # The printed curl command works against the stack that is still up.
+        url = re.search(r"curl (http://127\.0\.0\.1:\d+)/v1/chat/completions", out).group(1)
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}
+        status, reply = http_post(url, "/v1/chat/completions", body)
+        assert status == 200 and json.loads(reply)["choices"][0]["message"]["content"]
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0 and "shutting down" in rest
+        assert http_post(url, "/v1/chat/completions", body, timeout=5)[0] == 0  # the router is gone
+        for log in ("prefill-0.log", "decode-1.log"):
+            assert "stopped" in (tmp_path / log).read_text()  # the servers drained and exited
+    finally:
+        if proc.poll() is None:  # a failed assertion above must not leave the stack running
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def test_offline_demo_streams_answers():

@@ -32,6 +32,14 @@ class Stack:
             for i, port in enumerate(self.bootstrap_ports)
         ]
         self.decodes = [ServerProcess("--role", "decode", *ENGINE, log_path=logs / f"decode{i}.log", wait=False) for i in range(2)]
+        self.routers: list[RouterProcess] = []
+        try:
+            self._start_routers(logs)
+        except BaseException:  # nothing half-started outlives a failed setup
+            self.stop()
+            raise
+
+    def _start_routers(self, logs):
         for server in self.servers:  # started together, loading in parallel
             server.wait_healthy()
         with grpc.insecure_channel(self.prefills[0].target) as channel:
@@ -47,7 +55,15 @@ class Stack:
             return args
 
         self.one_by_one = RouterProcess(*workers(self.prefills[:1], self.decodes[:1]), tokenizer_dir=tokenizer_dir, log_path=logs / "router-1x1.log")
+        self.routers.append(self.one_by_one)
         self.two_by_two = RouterProcess(*workers(self.prefills, self.decodes), tokenizer_dir=tokenizer_dir, log_path=logs / "router-2x2.log")
+        self.routers.append(self.two_by_two)
+
+    def stop(self):
+        for router in self.routers:
+            router.stop()
+        for server in self.servers:
+            server.stop()
 
     @property
     def servers(self):
@@ -58,10 +74,7 @@ class Stack:
 def stack(tmp_path_factory):
     stack = Stack(tmp_path_factory.mktemp("pd"))
     yield stack
-    stack.one_by_one.stop()
-    stack.two_by_two.stop()
-    for server in stack.servers:
-        server.stop()
+    stack.stop()
 
 
 def generate_all(router: RouterProcess, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS, timeout: float = 300):
