@@ -41,12 +41,6 @@ def histogram_quantile(text: str, name: str, q: float) -> float:
     return lower
 
 
-def metric(text: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
 def transfer_vs_memcpy(nbytes: int, repeats: int = 20) -> dict:
     """Mooncake TCP write (two engines in this process, over loopback) against torch's memcpy of
     the same bytes, both timed over `repeats` copies."""
@@ -75,7 +69,7 @@ def transfer_vs_memcpy(nbytes: int, repeats: int = 20) -> dict:
 
 def run(args, engine_args: list[str]) -> int:
     from tandem.server.model.loader import resolve_model
-    from tandem.server.stack import LocalStack
+    from tandem.server.stack import LocalStack, metric_value
     from tandem.server.tokenizer import load_tokenizer
 
     work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
@@ -94,7 +88,7 @@ def run(args, engine_args: list[str]) -> int:
             result = {"bench": "pd", "mode": mode, **drive(run_one, work, args.concurrency)}
             if mode == "disaggregated":
                 prefill = servers[0].metrics_text()
-                sent = metric(prefill, "tandem_kv_transfer_bytes_total")
+                sent = metric_value(prefill, "tandem_kv_transfer_bytes_total")
                 write = [histogram_quantile(prefill, "tandem_kv_transfer_latency_seconds", q) for q in (0.5, 0.99)]
                 result.update({
                     "kv_bytes_moved": int(sent),
@@ -103,7 +97,7 @@ def run(args, engine_args: list[str]) -> int:
                     "kv_write_p99_ms": round(write[1] * 1000, 2),
                     "kv_write_p50_share_of_ttft_p50": round(write[0] / result["ttft_p50_s"], 4),
                     "kv_write_p99_share_of_ttft_p99": round(write[1] / result["ttft_p99_s"], 4),
-                    "kv_transfer_failures": int(metric(prefill, "tandem_kv_transfer_failures_total")),
+                    "kv_transfer_failures": int(metric_value(prefill, "tandem_kv_transfer_failures_total")),
                 })
             results[mode] = result
             print(json.dumps(result), flush=True)

@@ -77,7 +77,7 @@ def run_offline_demo(config: EngineConfig, max_new_tokens: int) -> int:
 
 
 def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool, log_dir: str | None) -> int:
-    from tandem.server.stack import LocalStack
+    from tandem.server.stack import LocalStack, metric_value
 
     logs = Path(log_dir or tempfile.mkdtemp(prefix="tandem-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool,
             total_tokens, total_time = total_tokens + tokens, total_time + elapsed
             rate = (tokens - 1) / (elapsed - ttft) if tokens > 1 and elapsed > ttft else 0.0
             print(f"\n  [TTFT {ttft * 1000:.0f} ms, {tokens} tokens, {rate:.1f} tokens/s]", flush=True)
-        kv = sum(_metric(s.metrics_text(), "tandem_kv_transfer_bytes_total") for s in (prefill,))
+        kv = metric_value(prefill.metrics_text(), "tandem_kv_transfer_bytes_total")
         print(f"\n[{len(QUESTIONS)} requests, {total_tokens} tokens in {total_time:.2f}s; "
               f"{kv / 1e6:.1f} MB of KV moved prefill -> decode over Mooncake]", flush=True)
         if keep_running:
@@ -141,12 +141,6 @@ def _stream_chat(base: str, model: str, question: str, max_new_tokens: int) -> t
                 sys.stdout.flush()
     elapsed = time.perf_counter() - start
     return tokens if tokens is not None else chunks, ttft or elapsed, elapsed
-
-
-def _metric(text: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def _print_how_to_call(base: str, prefill, decode, model: str) -> None:

@@ -274,7 +274,6 @@ class Engine:
                 "waiting": self.scheduler.num_waiting,
                 "used_pages": self.memory.used_pages,
                 "total_pages": self.memory.num_pages,
-                "held_by_connector": len(self.connector.held()),
             }
         )
 

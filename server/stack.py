@@ -74,6 +74,46 @@ def wait_router_ready(base: str, proc: subprocess.Popen, log_path: Path, model: 
         time.sleep(0.5)
 
 
+def spawn_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen, int, int]:
+    """Start `tandem serve --host 127.0.0.1` on free ports (not waiting): (process, gRPC port,
+    metrics port). `args` are further serve flags (role, engine settings)."""
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--metrics-port", str(metrics_port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, port, metrics_port
+
+
+def spawn_router(workers: list[str], tokenizer_dir: str, log_path: Path) -> tuple[subprocess.Popen, int]:
+    """Start `smg launch` on a free port (not waiting): (process, HTTP port). `workers` name the
+    workers: `--worker-urls ...`, or `--pd-disaggregation --prefill ... --decode ...`."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), *workers,
+             "--model-path", tokenizer_dir, "--worker-startup-check-interval", "1", "--log-level", "warn",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    return proc, port
+
+
+def metrics_text(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str) -> float:
+    """Sample `name` in a Prometheus exposition, summed over its label sets; KeyError if absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    if not values:
+        raise KeyError(f"metric {name} not exported")
+    return sum(values)
+
+
 # smg treats a PD leg that answers nothing for 3 s as a wedged worker; a CPU prefill of a few long
 # prompts takes longer than that.
 ROUTER_PD_ARGS = ("--worker-wedge-secs", "120")
@@ -93,8 +133,7 @@ class Server:
         return f"127.0.0.1:{self.port}"
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
+        return metrics_text(self.metrics_port)
 
 
 @dataclass
@@ -108,16 +147,12 @@ class LocalStack:
 
     def start_server(self, role: str, *extra: str) -> Server:
         """Launch `tandem serve --role ROLE` (not waiting; see wait())."""
-        port, metrics_port = free_port(), free_port()
         bootstrap = free_port() if role == "prefill" else None
-        cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--role", role, "--host", "127.0.0.1",
-               "--port", str(port), "--metrics-port", str(metrics_port), "--served-model-name", self.model_name,
-               *self.engine_args, *extra]
+        args = ["--role", role, "--served-model-name", self.model_name, *self.engine_args, *extra]
         if bootstrap is not None:
-            cmd += ["--bootstrap-port", str(bootstrap)]
+            args += ["--bootstrap-port", str(bootstrap)]
         log_path = self.log_dir / f"{role}-{len(self.servers)}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc, port, metrics_port = spawn_server(args, log_path)
         server = Server(role, proc, port, metrics_port, log_path, bootstrap)
         self.servers.append(server)
         return server
@@ -145,15 +180,8 @@ class LocalStack:
             workers += [a for s in self.servers if s.role == "decode" for a in ("--decode", f"grpc://{s.target}")]
         else:
             workers = ["--worker-urls", *(f"grpc://{s.target}" for s in self.servers)]
-        self.router_port = free_port()
         log_path = self.log_dir / "router.log"
-        with open(log_path, "w") as log:
-            self.router = subprocess.Popen(
-                [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.router_port), *workers,
-                 "--model-path", self.tokenizer_dir(), "--worker-startup-check-interval", "1", "--log-level", "warn",
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
+        self.router, self.router_port = spawn_router(workers, self.tokenizer_dir(), log_path)
         wait_router_ready(self.router_url, self.router, log_path, self.model_name)
         return self.router_url
 

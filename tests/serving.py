@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
-from tandem.server.stack import free_port, http_post, wait_healthy, wait_router_ready
+from tandem.server.stack import (
+    free_port, http_post, metric_value, metrics_text, spawn_router, spawn_server, wait_healthy, wait_router_ready,
+)
 
 __all__ = ["RouterProcess", "ServerProcess", "free_port", "http_post", "metric_value"]
 
@@ -18,12 +17,8 @@ class ServerProcess:
     """`tandem serve` in a subprocess; waits until gRPC health says SERVING."""
 
     def __init__(self, *extra: str, log_path: Path, wait: bool = True):
-        self.port, self.metrics_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), "--metrics-port", str(self.metrics_port), *extra]
         self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc, self.port, self.metrics_port = spawn_server(list(extra), log_path)
         self.target = f"127.0.0.1:{self.port}"
         if wait:
             self.wait_healthy()
@@ -32,8 +27,7 @@ class ServerProcess:
         wait_healthy(self.target, self.proc, self.log_path, timeout)
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
+        return metrics_text(self.metrics_port)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -43,7 +37,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
         return self.proc.returncode
 
 
@@ -52,16 +45,9 @@ class RouterProcess:
     `args` name the workers: `--worker-urls ...`, or `--pd-disaggregation --prefill ... --decode ...`."""
 
     def __init__(self, *args: str, tokenizer_dir: str, log_path: Path, model: str = "smollm2"):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "w")
         self.log_path = log_path
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port), *args,
-             "--model-path", tokenizer_dir, "--worker-startup-check-interval", "1", "--log-level", "warn",
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )
+        self.proc, self.port = spawn_router(list(args), tokenizer_dir, log_path)
+        self.base = f"http://127.0.0.1:{self.port}"
         wait_router_ready(self.base, self.proc, log_path, model)
 
     def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
@@ -70,19 +56,3 @@ class RouterProcess:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
-        self._log.close()
-
-
-def metric_value(text: str, name: str) -> float:
-    """The value of an unlabelled-by-test sample `name` (summed over its label sets)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total, found = 0.0, False
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                total += sample.value
-                found = True
-    if not found:
-        raise KeyError(f"metric {name} not exported")
-    return total

@@ -31,6 +31,8 @@ from tandem.server.sampling_params import InvalidRequestError
 
 log = logging.getLogger("tandem.prefill")
 
+EXPIRY_INTERVAL_S = 0.25  # how often rooms whose prefill leg never came are looked for
+
 
 @dataclass
 class _Send:
@@ -58,6 +60,7 @@ class PrefillConnector(KVConnector):
         self.scheduled: dict[str, Request] = {}  # handed to the scheduler, not yet ended
         self.inflight: dict[str, _Send] = {}
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0}
+        self._next_expiry = 0.0
         log.info("bootstrap service on %s:%d, Mooncake session %s (%s)", listen_host, config.bootstrap_port,
                  self.transfer.session, config.kv_transfer_protocol)
 
@@ -74,7 +77,9 @@ class PrefillConnector(KVConnector):
 
     def poll(self) -> list[Request]:
         now = time.monotonic()
-        self.table.expire(now, self.config.bootstrap_timeout)
+        if now >= self._next_expiry:  # a sweep over every room: not on every step
+            self._next_expiry = now + EXPIRY_INTERVAL_S
+            self.table.expire(now, self.config.bootstrap_timeout)
         ended = []
         for rid, (req, due) in list(self.waiting_for_peer.items()):
             room = self.table.get(req.bootstrap.room)
