@@ -21,7 +21,7 @@ def _opt(default, help: str, **extra):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = _opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, or a HF safetensors directory")
+    model: str = _opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, a HF safetensors directory, or hf:<org>/<name> from the local HF cache")
     dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "weight and activation dtype")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     attention_backend: Literal["auto", "torch", "flashinfer"] = _opt(

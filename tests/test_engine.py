@@ -256,3 +256,19 @@ def test_stopped_engine_refuses_and_ends_everything(smollm_fp32):
     with pytest.raises(RuntimeError, match="shut down"):
         engine.call(lambda: None)
     engine.abort("anything")  # harmless
+
+
+def test_hf_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--acme--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    source = resolve_model("hf:acme/tiny")
+    assert (source.kind, source.path, source.name) == ("hf", snapshot, "tiny")
+    with pytest.raises(ModelLoadError, match=r"--model 'hf:acme/absent': no cached snapshot .*never downloads"):
+        resolve_model("hf:acme/absent")

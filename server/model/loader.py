@@ -44,6 +44,8 @@ def resolve_model(spec: str) -> ModelSource:
         if not files:
             raise ModelLoadError(f"--model {spec!r}: no .gguf file inside the {package} package")
         return ModelSource("gguf", files[0], name)
+    if spec.startswith("hf:"):
+        return _resolve_hf_cache(spec)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path, path.stem)
@@ -54,6 +56,25 @@ def resolve_model(spec: str) -> ModelSource:
     raise ModelLoadError(
         f"--model {spec!r}: expected builtin:<name>, a .gguf file, or a directory with config.json and *.safetensors"
     )
+
+
+def _resolve_hf_cache(spec: str) -> ModelSource:
+    """`hf:<org>/<name>`: a snapshot already in the Hugging Face cache ($HF_HOME or
+    $HF_HUB_CACHE). Never downloads: a missing snapshot is an error that says where it looked."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id = spec.removeprefix("hf:")
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError) as e:
+        raise ModelLoadError(
+            f"--model {spec!r}: no cached snapshot of {repo_id!r} in {constants.HF_HUB_CACHE} "
+            f"(populate the cache first; tandem never downloads): {e}"
+        ) from None
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"--model {spec!r}: the cached snapshot {path} has no config.json")
+    return ModelSource("hf", path, repo_id.split("/")[-1])
 
 
 def load_weights(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
