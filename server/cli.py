@@ -132,6 +132,12 @@ def cmd_serve(args) -> int:
         return 2
 
 
+def cmd_operator(args) -> int:
+    from tandem.operator.main import main as operator_main
+
+    return operator_main(args)
+
+
 def cmd_client_generate(args) -> int:
     from tandem.server.client import generate
 
@@ -200,15 +206,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from tandem.server.serve import ServeConfig
-
     from tandem.server.config import DisaggConfig
+    from tandem.server.serve import ServeConfig
 
     serve = sub.add_parser("serve", help="serve SGLang's gRPC scheduler protocol, health and /metrics")
     add_config_arguments(serve, ServeConfig)
     add_config_arguments(serve, DisaggConfig)
     add_config_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from tandem.operator.main import add_arguments as add_operator_arguments
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator (InferenceService -> pools and router)")
+    add_operator_arguments(op)
+    op.set_defaults(func=cmd_operator)
 
     client = sub.add_parser("client", help="talk to a running server")
     client_sub = client.add_subparsers(dest="client", required=True)

@@ -1,0 +1,182 @@
+"""kopf handlers: thin glue between InferenceService events and the pure renderers.
+
+Every handler is synchronous (kopf runs it in a worker thread) and idempotent. Ownership:
+the operator owns exactly the objects `render.render_all` names for an InferenceService, finds
+them by their controller owner reference (uid), and is the only writer of their rendered fields
+and of the InferenceService's status.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import kopf
+
+from tandem.operator import render
+from tandem.operator.kube import PLURALS, Kube, is_subset
+from tandem.operator.metrics import DRIFT_CORRECTIONS, RECONCILE_SECONDS, RECONCILES
+from tandem.operator.schema import SpecError
+from tandem.operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec
+from tandem.operator.status import Observed, compute_status, invalid_status
+
+log = logging.getLogger("tandem.operator")
+
+MONITOR_API = "monitoring.coreos.com/v1"
+CHILD_KINDS = [(v, k) for (v, k) in PLURALS if v != MONITOR_API]
+MANAGED = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
+
+# Operator-wide settings; `tandem operator` replaces them before kopf starts.
+DEFAULTS = render.Defaults()
+
+
+def configure(defaults: render.Defaults) -> None:
+    global DEFAULTS
+    DEFAULTS = defaults
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _instance(owner: dict) -> render.Instance:
+    """Typed instance of an InferenceService body; SpecError when its spec can never work."""
+    meta = owner["metadata"]
+    return render.Instance(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
+                           spec=parse_spec(meta["name"], dict(owner.get("spec") or {})), defaults=DEFAULTS)
+
+
+def _owned(kube: Kube, inst_ns: str, uid: str, api_version: str, kind: str) -> list[dict]:
+    items = kube.list(api_version, kind, inst_ns, ",".join(f"{k}={v}" for k, v in MANAGED.items()))
+    return [o for o in items if any(r.get("uid") == uid and r.get("controller")
+                                    for r in o.get("metadata", {}).get("ownerReferences", []))]
+
+
+def _monitor_kinds(kube: Kube) -> list[tuple[str, str]]:
+    return [(MONITOR_API, kind) for kind in ("ServiceMonitor", "PodMonitor") if kube.serves(MONITOR_API, kind)]
+
+
+def _observe(kube: Kube, inst: render.Instance) -> Observed:
+    return Observed(
+        prefill=kube.get("apps/v1", "StatefulSet", inst.namespace, inst.pool_name("prefill")),
+        decode=kube.get("apps/v1", "StatefulSet", inst.namespace, inst.pool_name("decode")),
+        router=kube.get("apps/v1", "Deployment", inst.namespace, inst.router_name),
+    )
+
+
+def refresh_status(kube: Kube, owner: dict, inst: render.Instance) -> dict:
+    status = compute_status(inst, owner["metadata"].get("generation", 0), _observe(kube, inst),
+                            owner.get("status"), _now())
+    kube.patch_status(GROUP, VERSION, PLURAL, inst.namespace, inst.name, status)
+    return status
+
+
+# --------------------------------------------------------------------------------------------- reconcile
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def reconcile(body, **_) -> None:
+    """Render everything from the spec and apply it; prune what the spec no longer asks for."""
+    started = time.monotonic()
+    owner = dict(body)
+    kube = Kube()
+    try:
+        inst = _instance(owner)
+    except SpecError as e:
+        RECONCILES.labels(result="invalid").inc()
+        status = invalid_status(owner["metadata"].get("generation", 0), str(e), owner.get("status"), _now())
+        meta = owner["metadata"]
+        kube.patch_status(GROUP, VERSION, PLURAL, meta["namespace"], meta["name"], status)
+        kopf.warn(owner, reason="InvalidSpec", message=f"{e}. Fix the spec; nothing was applied.")
+        raise kopf.PermanentError(str(e)) from None
+
+    monitor_kinds = _monitor_kinds(kube)
+    wants_monitor = inst.spec.monitoring.service_monitor or inst.spec.monitoring.pod_monitor
+    objects = render.render_all(inst, monitoring_available=bool(monitor_kinds))
+    if wants_monitor and not monitor_kinds:
+        kopf.warn(owner, reason="MonitoringUnavailable",
+                  message="spec.monitoring asks for a monitor but the cluster serves no monitoring.coreos.com/v1 "
+                          "ServiceMonitor/PodMonitor (install the Prometheus Operator CRDs)")
+    results = [kube.apply(obj) for obj in objects]
+    wanted = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in objects}
+    for api_version, kind in CHILD_KINDS + monitor_kinds:
+        for live in _owned(kube, inst.namespace, inst.uid, api_version, kind):
+            if (api_version, kind, live["metadata"]["name"]) not in wanted:
+                kube.delete(api_version, kind, inst.namespace, live["metadata"]["name"])
+    refresh_status(kube, owner, inst)
+    RECONCILES.labels(result="applied").inc()
+    RECONCILE_SECONDS.observe(time.monotonic() - started)
+    changed = [f"{o['kind']}/{o['metadata']['name']} {r}" for o, r in zip(objects, results) if r != "unchanged"]
+    if changed:
+        kopf.info(owner, reason="Applied", message="; ".join(changed))
+    if "terminating" in results:
+        raise kopf.TemporaryError("an owned object is still being deleted; applying again", delay=5)
+
+
+# --------------------------------------------------------------------------------------------- owned objects
+
+
+def _owner_of(kube: Kube, body) -> dict | None:
+    """The live InferenceService controlling `body`, unless it is gone or being deleted."""
+    for ref in body.get("metadata", {}).get("ownerReferences", []):
+        if ref.get("kind") == KIND and ref.get("controller") and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            owner = kube.get_custom(GROUP, VERSION, PLURAL, body["metadata"]["namespace"], ref["name"])
+            if owner and owner["metadata"].get("uid") == ref.get("uid") and not owner["metadata"].get("deletionTimestamp"):
+                return owner
+    return None
+
+
+def on_owned_event(type, body, **_) -> None:
+    """A change to an owned object: undo deletions and edits of rendered fields, keep status fresh."""
+    kube = Kube()
+    owner = _owner_of(kube, body)
+    if owner is None:
+        return
+    try:
+        inst = _instance(owner)
+    except SpecError:
+        return  # the InferenceService's own handler reports it; keep the last good objects
+    meta = body["metadata"]
+    key = (body.get("apiVersion"), body.get("kind"), meta["name"])
+    desired = next((o for o in render.render_all(inst) if (o["apiVersion"], o["kind"], o["metadata"]["name"]) == key), None)
+    if desired is not None and (type == "DELETED" or not is_subset(desired, body)):
+        result = kube.apply(desired)
+        if result in ("created", "patched"):
+            DRIFT_CORRECTIONS.labels(kind=body["kind"]).inc()
+            what = "deleted" if type == "DELETED" else "edited"
+            kopf.info(owner, reason="DriftCorrected", message=f"{body['kind']}/{meta['name']} was {what}; {result} it")
+    if body.get("kind") in ("StatefulSet", "Deployment"):
+        refresh_status(kube, owner, inst)
+
+
+for _api_version, _kind in CHILD_KINDS:
+    kopf.on.event(_api_version, PLURALS[_api_version, _kind], labels=MANAGED,
+                  id=f"owned-{PLURALS[_api_version, _kind]}")(on_owned_event)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def cleanup(body, **_) -> None:
+    """Delete every owned object. A real cluster's garbage collector would too (owner
+    references); doing it here makes deletion complete even where no collector runs."""
+    kube = Kube()
+    meta = body["metadata"]
+    for api_version, kind in CHILD_KINDS + _monitor_kinds(kube):
+        for live in _owned(kube, meta["namespace"], meta["uid"], api_version, kind):
+            kube.delete(api_version, kind, meta["namespace"], live["metadata"]["name"])
+
+
+@kopf.on.startup()
+def _settings(settings: kopf.OperatorSettings, **_) -> None:
+    configure_settings(settings)
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """Handler progress in annotations (status belongs to the CRD's schema), events at INFO."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tandem.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="tandem.dev",
+                                                                          key="last-handled-configuration")
+    settings.persistence.finalizer = "tandem.dev/cleanup"
+    settings.posting.level = logging.INFO

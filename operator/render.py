@@ -1,0 +1,444 @@
+"""Pure renderers: one `Instance` in, Kubernetes objects (plain dicts) out. No I/O.
+
+For an InferenceService `NAME` in namespace `NS` the operator owns:
+
+    StatefulSet  NAME-prefill, NAME-decode      tandem serve --role prefill|decode
+    Service      NAME-prefill, NAME-decode      headless: pod DNS NAME-prefill-0.NAME-prefill.NS.svc...
+    ConfigMap    NAME-router-workers            workers.json, the router's view of both pools
+    Deployment   NAME-router                    smg launch --pd-disaggregation, file discovery
+    Service      NAME-router                    clients: OpenAI HTTP on spec.router.service.port
+    PodDisruptionBudget NAME-prefill, NAME-decode, NAME-router (each unless disabled)
+    ServiceMonitor or PodMonitor NAME           when spec.monitoring asks for one
+
+Every object carries the instance's labels and a controller owner reference to the
+InferenceService, so a real cluster's garbage collector removes them with it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from tandem.operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
+from tandem.operator.schema import to_wire
+
+GRPC_PORT = 30000
+METRICS_PORT = 30001
+ROUTER_HTTP_PORT = 8000
+ROUTER_HEALTH_PORT = 8081
+ROUTER_METRICS_PORT = 29000
+SERVER_UID = 10001
+
+WORKERS_FILE = "workers.json"
+WORKERS_DIR = "/etc/tandem/router"
+MODEL_DIR = "/models"
+CACHE_DIR = "/cache"
+POOLS = ("prefill", "decode")
+MANAGED_BY = "tandem-operator"
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Operator-wide settings the spec does not carry (set by the operator's flags)."""
+
+    router_image: str = "ghcr.io/tandem-serving/tandem-router:0.1.0"
+    cluster_domain: str = "cluster.local"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One InferenceService as the renderers see it: identity, typed spec, operator defaults, and
+    the replicas each pool should run (the spec's, or the autoscaler's decision)."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: InferenceServiceSpec
+    defaults: Defaults = Defaults()
+    replicas: dict[str, int] = field(default_factory=dict)
+
+    def pool(self, pool: str) -> PoolSpec:
+        return getattr(self.spec, pool)
+
+    def pool_replicas(self, pool: str) -> int:
+        return self.replicas.get(pool, self.pool(pool).replicas)
+
+    def pool_name(self, pool: str) -> str:
+        return f"{self.name}-{pool}"
+
+    @property
+    def router_name(self) -> str:
+        return f"{self.name}-router"
+
+    @property
+    def workers_configmap(self) -> str:
+        return f"{self.name}-router-workers"
+
+    def pod_host(self, pool: str, ordinal: int) -> str:
+        """Stable DNS name of a pool's pod (the headless Service publishes it even while not ready)."""
+        sts = self.pool_name(pool)
+        return f"{sts}-{ordinal}.{sts}.{self.namespace}.svc.{self.defaults.cluster_domain}"
+
+    @property
+    def router_endpoint(self) -> str:
+        svc = self.spec.router.service
+        return f"http://{self.router_name}.{self.namespace}.svc.{self.defaults.cluster_domain}:{svc.port}"
+
+
+# --------------------------------------------------------------------------------------------- common
+
+
+def selector_labels(inst: Instance, component: str) -> dict[str, str]:
+    """Immutable selector labels (never the image or version)."""
+    return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": inst.name,
+            "app.kubernetes.io/component": component}
+
+
+def labels(inst: Instance, component: str) -> dict[str, str]:
+    return {**selector_labels(inst, component), "app.kubernetes.io/managed-by": MANAGED_BY,
+            "app.kubernetes.io/part-of": "tandem", f"{GROUP}/inference-service": inst.name}
+
+
+def _metadata(inst: Instance, name: str, component: str) -> dict:
+    return {
+        "name": name,
+        "namespace": inst.namespace,
+        "labels": labels(inst, component),
+        "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": inst.name,
+                             "uid": inst.uid, "controller": True, "blockOwnerDeletion": True}],
+    }
+
+
+def _resources(resources) -> dict:
+    """Container resources; extended resources (GPUs) must be requested as much as limited."""
+    limits = {k: str(v) for k, v in resources.limits.items()}
+    requests = {k: str(v) for k, v in resources.requests.items()}
+    for key, value in limits.items():
+        if "/" in key and not key.startswith("kubernetes.io/"):
+            requests[key] = value
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def _tolerations(tolerations: list[Toleration]) -> list[dict]:
+    return [to_wire(t) for t in tolerations]
+
+
+def _pod_security() -> dict:
+    return {"runAsNonRoot": True, "runAsUser": SERVER_UID, "runAsGroup": SERVER_UID, "fsGroup": SERVER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _scheduling(node_selector: dict, tolerations: list[Toleration], affinity: dict | None = None) -> dict:
+    out = {}
+    if node_selector:
+        out["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        out["tolerations"] = _tolerations(tolerations)
+    if affinity:
+        out["affinity"] = dict(affinity)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- pools
+
+
+def model_arg(inst: Instance) -> str:
+    model = inst.spec.model
+    return {
+        "builtin": lambda: f"builtin:{model.builtin}",
+        "gguf": lambda: model.path,
+        "pvc": lambda: f"{MODEL_DIR}/{model.path}",
+        "huggingface": lambda: f"hf:{model.huggingface_id}",
+    }[model.source]()
+
+
+def drain_seconds(pool: PoolSpec) -> int:
+    """The server drains for its grace period minus 10 s, leaving time to exit before SIGKILL."""
+    return pool.termination_grace_period_seconds - 10
+
+
+def server_args(inst: Instance, pool: str) -> list[str]:
+    """`tandem serve` arguments for a pool's pods. `$(POD_IP)` is expanded by the kubelet."""
+    spec, p = inst.spec, inst.pool(pool)
+    kv = spec.kv_transfer
+    args = ["serve", "--role", pool, "--host", "0.0.0.0", "--port", str(GRPC_PORT),
+            "--metrics-port", str(METRICS_PORT), "--model", model_arg(inst),
+            "--served-model-name", spec.model.name, "--dtype", spec.model.dtype,
+            "--device", "cuda" if gpu_count(p.resources) else "cpu",
+            "--advertise-host", "$(POD_IP)", "--kv-transfer-protocol", kv.protocol,
+            "--bootstrap-timeout", str(kv.bootstrap_timeout_seconds),
+            "--drain-grace-seconds", str(drain_seconds(p))]
+    if pool == "prefill":
+        args += ["--bootstrap-port", str(kv.bootstrap_port)]
+    if kv.ib_devices:
+        args += ["--ib-device", ",".join(kv.ib_devices)]
+    return args + list(p.engine_args)
+
+
+def _server_container(inst: Instance, pool: str) -> dict:
+    spec, p = inst.spec, inst.pool(pool)
+    ports = [{"name": "grpc", "containerPort": GRPC_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}]
+    if pool == "prefill":
+        ports.append({"name": "bootstrap", "containerPort": spec.kv_transfer.bootstrap_port})
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "HOME", "value": CACHE_DIR}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+           {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": CACHE_DIR},
+              {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.source in ("pvc", "huggingface"):
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    if spec.model.source == "huggingface":
+        env.append({"name": "HF_HOME", "value": MODEL_DIR})
+    env += [{"name": k, "value": v} for k, v in sorted(p.env.items())]
+    capabilities: dict = {"drop": ["ALL"]}
+    if spec.kv_transfer.protocol == "rdma":
+        capabilities["add"] = ["IPC_LOCK"]  # RDMA registers (pins) the KV pool's memory
+    container = {
+        "name": "server",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["tandem"],
+        "args": server_args(inst, pool),
+        "ports": ports,
+        "env": env,
+        # The gRPC health service answers SERVING once the model is loaded, NOT_SERVING while
+        # draining: readiness takes a draining server out of rotation at once.
+        "startupProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 10,
+                         "failureThreshold": max(1, p.startup_timeout_seconds // 10)},
+        "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5, "failureThreshold": 2},
+        # Liveness asks only whether the process answers: a draining server must not be restarted.
+        "livenessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": capabilities},
+    }
+    resources = _resources(p.resources)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _server_volumes(inst: Instance, pool: str) -> list[dict]:
+    model = inst.spec.model
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(inst.pool(pool).shm_size)}},
+               {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    if model.source in ("pvc", "huggingface"):
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model.claim_name, "readOnly": True}})
+    return volumes
+
+
+def render_statefulset(inst: Instance, pool: str) -> dict:
+    p = inst.pool(pool)
+    pod_spec = {
+        "containers": [_server_container(inst, pool)],
+        "volumes": _server_volumes(inst, pool),
+        "terminationGracePeriodSeconds": p.termination_grace_period_seconds,
+        "securityContext": _pod_security(),
+        "enableServiceLinks": False,
+        **_scheduling(p.node_selector, p.tolerations, p.affinity),
+    }
+    if inst.spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in inst.spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(inst, inst.pool_name(pool), pool),
+        "spec": {
+            "serviceName": inst.pool_name(pool),
+            "replicas": inst.pool_replicas(pool),
+            # Servers are independent: start and stop them together, not one by one.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(inst, pool)},
+            "template": {"metadata": {"labels": labels(inst, pool)}, "spec": pod_spec},
+        },
+    }
+
+
+def render_headless_service(inst: Instance, pool: str) -> dict:
+    ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "appProtocol": "grpc"},
+             {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]
+    if pool == "prefill":
+        port = inst.spec.kv_transfer.bootstrap_port
+        ports.append({"name": "bootstrap", "port": port, "targetPort": "bootstrap"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(inst, inst.pool_name(pool), pool),
+        "spec": {
+            "clusterIP": "None",
+            # Decode servers reach a prefill's bootstrap service by its pod DNS name even while
+            # that pod is not ready (e.g. draining): keep the names published.
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(inst, pool),
+            "ports": ports,
+        },
+    }
+
+
+def render_pdb(inst: Instance, component: str) -> dict | None:
+    budget = inst.spec.router.pod_disruption_budget if component == "router" else inst.pool(component).pod_disruption_budget
+    if not budget.enabled:
+        return None
+    name = inst.router_name if component == "router" else inst.pool_name(component)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(inst, name, component),
+        "spec": {"maxUnavailable": budget.max_unavailable,
+                 "selector": {"matchLabels": selector_labels(inst, component)}},
+    }
+
+
+# --------------------------------------------------------------------------------------------- router
+
+
+def worker_manifest(inst: Instance) -> dict:
+    """smg's discovery manifest: every pod of both pools by stable DNS name. Pods that are still
+    loading are listed too; the router retries them until they answer. The autoscaler removes a
+    pod here before it scales its StatefulSet down."""
+    workers = []
+    for pool in POOLS:
+        for i in range(inst.pool_replicas(pool)):
+            worker = {"id": f"{inst.pool_name(pool)}-{i}", "url": f"grpc://{inst.pod_host(pool, i)}:{GRPC_PORT}",
+                      "worker_type": pool}
+            if pool == "prefill":
+                worker["bootstrap_port"] = inst.spec.kv_transfer.bootstrap_port
+            workers.append(worker)
+    return {"version": 1, "workers": workers}
+
+
+def render_workers_configmap(inst: Instance) -> dict:
+    text = json.dumps(worker_manifest(inst), indent=2, sort_keys=True) + "\n"
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(inst, inst.workers_configmap, "router"),
+            "data": {WORKERS_FILE: text}}
+
+
+def router_args(inst: Instance) -> list[str]:
+    """`smg` arguments. The router reads its workers from the mounted ConfigMap and rereads it on
+    change, so scaling a pool never restarts the router."""
+    router, kv = inst.spec.router, inst.spec.kv_transfer
+    grace = router_grace_seconds(inst)
+    return ["launch", "--host", "0.0.0.0", "--port", str(ROUTER_HTTP_PORT), "--pd-disaggregation",
+            "--discovery-provider", "file", "--discovery-file", f"{WORKERS_DIR}/{WORKERS_FILE}",
+            "--discovery-check-interval-secs", "10",
+            "--prefill-policy", router.prefill_policy, "--decode-policy", router.decode_policy,
+            "--health-check-port", str(ROUTER_HEALTH_PORT),
+            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT),
+            # A long prompt keeps a prefill server silent for seconds: not a wedged worker.
+            "--worker-wedge-secs", "120", "--worker-startup-check-interval", "2",
+            "--health-check-interval-secs", "10",
+            # The router gives up on a PD pair before either tandem leg does.
+            "--pd-admission-wait-secs", str(max(1, kv.bootstrap_timeout_seconds - 5)),
+            "--shutdown-grace-period-secs", str(grace - 5),
+            *router.extra_args]
+
+
+def router_grace_seconds(inst: Instance) -> int:
+    """A stopping router waits for its in-flight requests, as long as the servers would."""
+    return max(inst.pool(p).termination_grace_period_seconds for p in POOLS)
+
+
+def render_router_deployment(inst: Instance) -> dict:
+    router = inst.spec.router
+    container = {
+        "name": "router",
+        "image": router.image or inst.defaults.router_image,
+        "imagePullPolicy": inst.spec.image_pull_policy,
+        "command": ["smg"],
+        "args": router_args(inst),
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT},
+                  {"name": "health", "containerPort": ROUTER_HEALTH_PORT},
+                  {"name": "metrics", "containerPort": ROUTER_METRICS_PORT}],
+        # /readiness needs a ready prefill and a ready decode; /liveness only a live process.
+        "readinessProbe": {"httpGet": {"path": "/readiness", "port": "health"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/liveness", "port": "health"}, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        # The router fetches the tokenizer from a worker and unpacks it under /tmp.
+        "volumeMounts": [{"name": "workers", "mountPath": WORKERS_DIR, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    resources = _resources(router.resources)
+    if resources:
+        container["resources"] = resources
+    pod_spec = {
+        "containers": [container],
+        # Mounted as a whole directory (never subPath): the kubelet then swaps in new contents.
+        "volumes": [{"name": "workers", "configMap": {"name": inst.workers_configmap}},
+                    {"name": "tmp", "emptyDir": {}}],
+        "terminationGracePeriodSeconds": router_grace_seconds(inst),
+        "securityContext": _pod_security(),
+        "enableServiceLinks": False,
+        **_scheduling(router.node_selector, router.tolerations),
+    }
+    if inst.spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in inst.spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(inst, inst.router_name, "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": selector_labels(inst, "router")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": labels(inst, "router")}, "spec": pod_spec},
+        },
+    }
+
+
+def render_router_service(inst: Instance) -> dict:
+    svc = inst.spec.router.service
+    meta = _metadata(inst, inst.router_name, "router")
+    if svc.annotations:
+        meta["annotations"] = dict(svc.annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": svc.type,
+            "selector": selector_labels(inst, "router"),
+            "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "appProtocol": "http"},
+                      {"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics"}],
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------- monitoring
+
+
+def render_monitor(inst: Instance) -> dict | None:
+    """A ServiceMonitor over the three Services, or a PodMonitor over all pods: port `metrics`."""
+    mon = inst.spec.monitoring
+    if not (mon.service_monitor or mon.pod_monitor):
+        return None
+    meta = _metadata(inst, inst.name, "monitoring")
+    meta["labels"].update(mon.labels)
+    selector = {"matchLabels": {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": inst.name},
+                "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                      "values": [*POOLS, "router"]}]}
+    endpoint = {"port": "metrics", "path": "/metrics", "interval": mon.interval}
+    if mon.service_monitor:
+        return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": meta,
+                "spec": {"selector": selector, "endpoints": [endpoint]}}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
+            "spec": {"selector": selector, "podMetricsEndpoints": [endpoint]}}
+
+
+# --------------------------------------------------------------------------------------------- all
+
+
+def render_all(inst: Instance, *, monitoring_available: bool = True) -> list[dict]:
+    """Every object the instance should own, in apply order (the workers ConfigMap before the
+    router that mounts it). The monitor is left out when the cluster has no monitoring CRDs."""
+    objects = []
+    for pool in POOLS:
+        objects += [render_headless_service(inst, pool), render_statefulset(inst, pool)]
+    objects += [render_workers_configmap(inst), render_router_deployment(inst), render_router_service(inst)]
+    objects += [pdb for c in (*POOLS, "router") if (pdb := render_pdb(inst, c))]
+    if monitoring_available and (monitor := render_monitor(inst)):
+        objects.append(monitor)
+    return objects

@@ -1,0 +1,356 @@
+"""The InferenceService API (tandem.dev/v1alpha1): spec and status, declared once.
+
+`crd.py` generates `crds/inferenceservices.tandem.dev.yaml` from these classes; the operator
+parses every custom resource with `parse_spec`, which applies the same defaults and then the
+checks a schema cannot express (min <= replicas <= max, a model source's required field, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.operator.schema import FreeForm, Quantity, SpecError, api_field, parse
+
+GROUP = "tandem.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SHORT_NAME = "tisvc"
+
+# Pod, Service and StatefulSet names are built from the InferenceService's name; a StatefulSet's
+# pods carry a `controller-revision-hash` label of `<statefulset>-<10 chars>`, which must fit in 63.
+MAX_NAME_LENGTH = 44
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DURATION = r"^[0-9]+(ms|s|m|h)$"
+
+MODEL_SOURCES = ("builtin", "gguf", "pvc", "huggingface")
+DTYPES = ("bfloat16", "float16", "float32")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PREFILL_POLICIES = ("power_of_two", "cache_aware", "round_robin", "random", "least_load", "prefix_hash")
+DECODE_POLICIES = ("power_of_two", "cache_aware", "round_robin", "random", "least_load", "prefix_hash")
+
+
+# --------------------------------------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model every pod of this service loads, and the name clients ask for."""
+
+    name: str = api_field(doc="Model id clients send (OpenAI `model`, gRPC served model name).",
+                          pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+    source: str = api_field("builtin", "Where the weights come from: `builtin` (shipped with the server "
+                            "image), `gguf` (a .gguf file in the image), `pvc` (a .gguf file or a "
+                            "safetensors directory on a PersistentVolumeClaim) or `huggingface` (a "
+                            "Hugging Face id, read offline from a pre-populated cache on a claim).",
+                            enum=MODEL_SOURCES)
+    builtin: str = api_field("smollm2-135m", "source=builtin: which built-in model.",
+                             pattern=r"^[a-z0-9][a-z0-9.-]*$")
+    path: str | None = api_field(None, "source=gguf: absolute path of the .gguf file in the image. "
+                                 "source=pvc: path of the file or directory inside the claim.")
+    huggingface_id: str | None = api_field(None, "source=huggingface: the repository id, e.g. "
+                                           "`HuggingFaceTB/SmolLM2-135M-Instruct`.",
+                                           pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")
+    claim_name: str | None = api_field(None, "source=pvc|huggingface: the PersistentVolumeClaim, "
+                                       "mounted read-only (the Hugging Face cache for huggingface).",
+                                       pattern=DNS_LABEL)
+    dtype: str = api_field("bfloat16", "Weight and activation dtype.", enum=DTYPES)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Container resources. GPUs are `nvidia.com/gpu` limits; the operator copies them to requests."""
+
+    requests: dict[str, Quantity] = api_field({}, "Minimum resources, e.g. cpu: \"4\", memory: 16Gi.")
+    limits: dict[str, Quantity] = api_field({}, "Maximum resources, e.g. nvidia.com/gpu: 1.")
+
+
+@dataclass(frozen=True)
+class Toleration:
+    """A Kubernetes toleration."""
+
+    key: str | None = api_field(None, "Taint key; empty with operator Exists matches every taint.")
+    operator: str = api_field("Equal", "Equal or Exists.", enum=("Equal", "Exists"))
+    value: str | None = api_field(None, "Taint value for operator Equal.")
+    effect: str | None = api_field(None, "NoSchedule, PreferNoSchedule or NoExecute; empty matches all.",
+                                   enum=("NoSchedule", "PreferNoSchedule", "NoExecute"))
+    toleration_seconds: int | None = api_field(None, "How long a NoExecute taint is tolerated.", minimum=0)
+
+
+@dataclass(frozen=True)
+class DisruptionBudget:
+    """A PodDisruptionBudget for the pool: voluntary evictions (drains, upgrades) take at most
+    `maxUnavailable` pods at once."""
+
+    enabled: bool = api_field(True, "Create the PodDisruptionBudget.")
+    max_unavailable: int = api_field(1, "Pods that may be evicted at once.", minimum=1)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool of tandem servers (a StatefulSet): prefill or decode."""
+
+    replicas: int = api_field(1, "Servers in the pool. With autoscaling on, the starting size.", minimum=0)
+    min_replicas: int = api_field(1, "Lower bound for the autoscaler.", minimum=0)
+    max_replicas: int = api_field(8, "Upper bound for the autoscaler.", minimum=1)
+    resources: Resources = api_field(Resources(), "Per-server resources, including nvidia.com/gpu.")
+    tensor_parallel_size: int = api_field(1, "GPUs one server shards the model over. tandem serves "
+                                          "one GPU per server today: only 1 is accepted.", minimum=1)
+    engine_args: list[str] = api_field([], "Extra `tandem serve` flags, e.g. [--max-total-tokens, \"65536\"]. "
+                                       "Flags the operator sets itself are refused.")
+    env: dict[str, str] = api_field({}, "Extra environment variables for the server container.")
+    node_selector: dict[str, str] = api_field({}, "Node labels the pods must match.")
+    tolerations: list[Toleration] = api_field([], "Taints the pods tolerate (e.g. nvidia.com/gpu).")
+    affinity: FreeForm = api_field({}, "A Kubernetes Affinity, passed through to the pods.")
+    pod_disruption_budget: DisruptionBudget = api_field(DisruptionBudget(), "Eviction budget for the pool.")
+    termination_grace_period_seconds: int = api_field(
+        120, "Seconds a stopping server gets to finish in-flight requests before it is killed; the "
+        "server drains for this long minus 10 s.", minimum=15)
+    startup_timeout_seconds: int = api_field(
+        1800, "Seconds a new server may take to load the model (and compile kernels) before it is "
+        "restarted.", minimum=30)
+    shm_size: Quantity = api_field(Quantity("1Gi"), "Size of the in-memory /dev/shm volume.")
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    """How clients reach the router."""
+
+    type: str = api_field("ClusterIP", "Service type.", enum=SERVICE_TYPES)
+    port: int = api_field(8000, "Port of the OpenAI-compatible HTTP API.", minimum=1, maximum=65535)
+    annotations: dict[str, str] = api_field({}, "Annotations on the Service (e.g. for a cloud load balancer).")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The smg router in front of the pools: tokenizes, picks a prefill and a decode server, and
+    serves OpenAI-compatible HTTP."""
+
+    replicas: int = api_field(1, "Router pods.", minimum=1)
+    image: str | None = api_field(None, "Router image (default: the operator's configured router image).")
+    prefill_policy: str = api_field("power_of_two", "How a prefill server is picked.", enum=PREFILL_POLICIES)
+    decode_policy: str = api_field("power_of_two", "How a decode server is picked.", enum=DECODE_POLICIES)
+    service: ServicePort = api_field(ServicePort(), "The client Service.")
+    resources: Resources = api_field(Resources(), "Router container resources.")
+    extra_args: list[str] = api_field([], "Extra `smg launch` flags.")
+    node_selector: dict[str, str] = api_field({}, "Node labels the router pods must match.")
+    tolerations: list[Toleration] = api_field([], "Taints the router pods tolerate.")
+    pod_disruption_budget: DisruptionBudget = api_field(DisruptionBudget(), "Eviction budget for the router.")
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    """How prefill servers hand KV cache to decode servers."""
+
+    backend: str = api_field("mooncake", "Transfer engine.", enum=("mooncake",))
+    protocol: str = api_field("tcp", "Mooncake transport: rdma (InfiniBand/RoCE) or tcp.", enum=("tcp", "rdma"))
+    ib_devices: list[str] = api_field([], "RDMA devices, e.g. [mlx5_0, mlx5_1]; required for rdma.")
+    bootstrap_port: int = api_field(8998, "Port of each prefill server's bootstrap service.",
+                                    minimum=1024, maximum=65535)
+    bootstrap_timeout_seconds: int = api_field(
+        30, "Seconds one leg of a request waits for the other; the router's PD admission wait stays "
+        "below it.", minimum=5)
+
+
+@dataclass(frozen=True)
+class PrefillAutoscaling:
+    """Prefill pool scaling: load = sum over ready servers of the metric / target."""
+
+    metric: str = api_field("queueRequests", "queueRequests (waiting + bootstrap queue) or "
+                            "queuedPromptTokens.", enum=("queueRequests", "queuedPromptTokens"))
+    target: float = api_field(4.0, "Metric value one server should carry.", minimum=0.001)
+    tolerance: float = api_field(0.1, "Deadband around the current size.", minimum=0.0, maximum=0.5)
+    scale_up_window_seconds: int = api_field(30, "Panic window: scale up at once on load seen this long.",
+                                             minimum=0)
+    scale_down_window_seconds: int = api_field(300, "Stabilization: scale down only after this long "
+                                               "below target, one server at a time.", minimum=0)
+
+
+@dataclass(frozen=True)
+class DecodeAutoscaling:
+    """Decode pool scaling: load = sum over ready servers of the metric / target."""
+
+    metric: str = api_field("kvUsage", "kvUsage (KV pages used, plus waiting and prealloc queues) "
+                            "or queueRequests.", enum=("kvUsage", "queueRequests"))
+    target: float = api_field(0.7, "Metric value one server should carry.", minimum=0.001)
+    tolerance: float = api_field(0.1, "Deadband around the current size.", minimum=0.0, maximum=0.5)
+    scale_up_window_seconds: int = api_field(30, "Panic window: scale up at once on load seen this long.",
+                                             minimum=0)
+    scale_down_window_seconds: int = api_field(300, "Stabilization: scale down only after this long "
+                                               "below target, one server at a time.", minimum=0)
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """Queue-driven scaling of each pool, between its minReplicas and maxReplicas."""
+
+    enabled: bool = api_field(False, "Let the operator set each pool's replicas.")
+    interval_seconds: int = api_field(15, "Seconds between decisions.", minimum=5)
+    prefill: PrefillAutoscaling = api_field(PrefillAutoscaling(), "Prefill pool.")
+    decode: DecodeAutoscaling = api_field(DecodeAutoscaling(), "Decode pool.")
+
+
+@dataclass(frozen=True)
+class MonitoringSpec:
+    """Prometheus Operator scraping of the servers' and router's /metrics."""
+
+    service_monitor: bool = api_field(False, "Create a ServiceMonitor (needs the monitoring.coreos.com CRDs).")
+    pod_monitor: bool = api_field(False, "Create a PodMonitor instead (needs the monitoring.coreos.com CRDs).")
+    interval: str = api_field("15s", "Scrape interval.", pattern=DURATION)
+    labels: dict[str, str] = api_field({}, "Labels your Prometheus selects monitors by.")
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    """A model served by a prefill pool, a decode pool and a router."""
+
+    model: ModelSpec = api_field(doc="The model.")
+    image: str = api_field(doc="tandem server image for both pools.", pattern=r"^\S+$")
+    image_pull_policy: str = api_field("IfNotPresent", "Pull policy for every image.", enum=PULL_POLICIES)
+    image_pull_secrets: list[str] = api_field([], "Secrets for private registries.")
+    prefill: PoolSpec = api_field(PoolSpec(), "The prefill pool.")
+    decode: PoolSpec = api_field(PoolSpec(), "The decode pool.")
+    router: RouterSpec = api_field(RouterSpec(), "The router.")
+    kv_transfer: KVTransferSpec = api_field(KVTransferSpec(), "KV cache transfer between the pools.")
+    autoscaling: AutoscalingSpec = api_field(AutoscalingSpec(), "Pool autoscaling.")
+    monitoring: MonitoringSpec = api_field(MonitoringSpec(), "Prometheus Operator monitors.")
+
+
+# --------------------------------------------------------------------------------------------- status
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A standard Kubernetes condition."""
+
+    type: str = api_field(doc="Ready, PrefillReady, DecodeReady, RouterReady, Progressing, Degraded "
+                          "or AutoscalerHealthy.")
+    status: str = api_field(doc="True, False or Unknown.", enum=("True", "False", "Unknown"))
+    reason: str = api_field("", "One CamelCase word.")
+    message: str = api_field("", "What happened, for people.")
+    last_transition_time: str | None = api_field(None, "When status last changed.", fmt="date-time")
+    observed_generation: int | None = api_field(None, "The spec generation this condition describes.")
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    """The autoscaler's last change to a pool."""
+
+    time: str = api_field(doc="When it was made.", fmt="date-time")
+    from_replicas: int = api_field(doc="Replicas before.")
+    to_replicas: int = api_field(doc="Replicas after.")
+    reason: str = api_field(doc="Why, with the numbers.")
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """What a pool's StatefulSet reports."""
+
+    desired_replicas: int = api_field(0, "Replicas the operator asks for.")
+    replicas: int = api_field(0, "Pods that exist.")
+    ready_replicas: int = api_field(0, "Pods that pass their readiness probe.")
+    ready: str = api_field("0/0", "ready/desired, for `kubectl get`.")
+    last_scaling: ScalingDecision | None = api_field(None, "The autoscaler's last decision.")
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    """What the router Deployment reports."""
+
+    replicas: int = api_field(0, "Router pods that exist.")
+    ready_replicas: int = api_field(0, "Router pods with at least one ready prefill and decode server.")
+    endpoint: str = api_field("", "In-cluster URL of the OpenAI-compatible API.")
+
+
+@dataclass(frozen=True)
+class InferenceServiceStatus:
+    """Observed state, written by the operator."""
+
+    observed_generation: int = api_field(0, "The spec generation last acted on.")
+    phase: str = api_field("Pending", "Pending, Progressing, Ready or Failed (a spec that can never work).",
+                           enum=("Pending", "Progressing", "Ready", "Failed"))
+    conditions: list[Condition] = api_field([], "Ready, PrefillReady, DecodeReady, RouterReady, "
+                                            "Progressing, Degraded, AutoscalerHealthy.")
+    prefill: PoolStatus = api_field(PoolStatus(), "The prefill pool.")
+    decode: PoolStatus = api_field(PoolStatus(), "The decode pool.")
+    router: RouterStatus = api_field(RouterStatus(), "The router.")
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+# Flags the operator derives from the spec; engineArgs may not override them.
+RESERVED_SERVER_FLAGS = ("--role", "--host", "--port", "--metrics-port", "--model", "--served-model-name",
+                         "--dtype", "--device", "--bootstrap-port", "--advertise-host", "--kv-transfer-protocol",
+                         "--ib-device", "--drain-grace-seconds", "--bootstrap-timeout")
+RESERVED_ROUTER_FLAGS = ("--host", "--port", "--pd-disaggregation", "--discovery-provider", "--discovery-file",
+                         "--prefill-policy", "--decode-policy", "--health-check-port", "--prometheus-port",
+                         "--prometheus-host")
+
+
+def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
+    """The typed spec of InferenceService `name`, or SpecError naming the field to fix."""
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError("metadata.name", f"{name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} "
+                        "(pod names and labels are built from it)")
+    parsed = parse(InferenceServiceSpec, spec)
+    _check_model(parsed.model)
+    for pool_name in ("prefill", "decode"):
+        _check_pool(pool_name, getattr(parsed, pool_name))
+    kv = parsed.kv_transfer
+    if kv.protocol == "rdma" and not kv.ib_devices:
+        raise SpecError("spec.kvTransfer.ibDevices", "protocol rdma needs at least one RDMA device, e.g. [mlx5_0]")
+    _check_flags("spec.router.extraArgs", parsed.router.extra_args, RESERVED_ROUTER_FLAGS)
+    mon = parsed.monitoring
+    if mon.service_monitor and mon.pod_monitor:
+        raise SpecError("spec.monitoring", "enable serviceMonitor or podMonitor, not both (each would scrape every pod)")
+    return parsed
+
+
+def _check_model(model: ModelSpec) -> None:
+    needs = {"gguf": ("path",), "pvc": ("claimName", "path"), "huggingface": ("huggingfaceId", "claimName")}
+    for field in needs.get(model.source, ()):
+        attr = {"claimName": "claim_name", "huggingfaceId": "huggingface_id", "path": "path"}[field]
+        if not getattr(model, attr):
+            raise SpecError(f"spec.model.{field}", f"required when source is {model.source}")
+    if model.source == "gguf" and not (model.path.startswith("/") and model.path.endswith(".gguf")):
+        raise SpecError("spec.model.path", f"{model.path!r}: source gguf needs an absolute path to a .gguf file")
+    if model.source == "pvc" and model.path.startswith("/"):
+        raise SpecError("spec.model.path", f"{model.path!r}: source pvc needs a path relative to the claim's root")
+
+
+def _check_pool(pool_name: str, pool: PoolSpec) -> None:
+    where = f"spec.{pool_name}"
+    if pool.min_replicas > pool.max_replicas:
+        raise SpecError(f"{where}.minReplicas", f"{pool.min_replicas} is above maxReplicas {pool.max_replicas}")
+    if not pool.min_replicas <= pool.replicas <= pool.max_replicas:
+        raise SpecError(f"{where}.replicas", f"{pool.replicas} is outside [minReplicas, maxReplicas] = "
+                        f"[{pool.min_replicas}, {pool.max_replicas}]")
+    if pool.tensor_parallel_size != 1:
+        raise SpecError(f"{where}.tensorParallelSize", f"{pool.tensor_parallel_size}: tandem serve runs one "
+                        "GPU per server; tensor parallelism is not implemented, use 1")
+    try:
+        gpus = gpu_count(pool.resources)
+    except SpecError as e:
+        raise SpecError(f"{where}.{e.path}", str(e).split(": ", 1)[1]) from None
+    if gpus > 1:
+        raise SpecError(f"{where}.resources.limits.nvidia.com/gpu", f"{gpus}: one server uses one GPU; "
+                        "scale with replicas instead")
+    _check_flags(f"{where}.engineArgs", pool.engine_args, RESERVED_SERVER_FLAGS)
+
+
+def _check_flags(where: str, args: list[str], reserved: tuple[str, ...]) -> None:
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in reserved:
+            raise SpecError(f"{where}[{i}]", f"{flag} is set by the operator from the spec; set the spec field instead")
+
+
+def gpu_count(resources: Resources) -> int:
+    """GPUs in a pool's limits (or requests); SpecError if the value is not a whole number."""
+    raw = resources.limits.get("nvidia.com/gpu", resources.requests.get("nvidia.com/gpu", 0))
+    try:
+        return int(str(raw))
+    except ValueError:
+        raise SpecError("resources.limits.nvidia.com/gpu", f"{raw!r} must be a whole number of GPUs") from None

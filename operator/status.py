@@ -1,0 +1,122 @@
+"""InferenceService status as a pure function of the spec and what the owned objects report.
+
+Condition semantics (each keeps its lastTransitionTime while its status does not change):
+
+    PrefillReady / DecodeReady   every desired pod of the pool is ready and runs the current template
+    RouterReady                  as many router pods are ready as asked (a ready router has at least
+                                 one ready prefill and one ready decode server behind it)
+    Ready                        all three of the above
+    Progressing                  something is still rolling out or starting
+    Degraded                     the spec can never work (phase Failed) or an owned object is missing
+    AutoscalerHealthy            the autoscaler's own health (Unknown while autoscaling is off)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.operator.render import POOLS, Instance
+from tandem.operator.schema import to_wire
+from tandem.operator.spec import Condition, PoolStatus, RouterStatus
+
+CONDITION_TYPES = ("Ready", "PrefillReady", "DecodeReady", "RouterReady", "Progressing", "Degraded",
+                   "AutoscalerHealthy")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The live StatefulSets and router Deployment (None when absent)."""
+
+    prefill: dict | None = None
+    decode: dict | None = None
+    router: dict | None = None
+
+
+def _rollout(obj: dict | None, desired: int) -> tuple[int, int, bool]:
+    """(pods, ready pods, rolled out) of a StatefulSet or Deployment."""
+    if obj is None:
+        return 0, 0, False
+    status = obj.get("status") or {}
+    current = status.get("observedGeneration", 0) >= obj.get("metadata", {}).get("generation", 0)
+    ready = status.get("readyReplicas", 0)
+    updated = status.get("updatedReplicas", 0)
+    return status.get("replicas", 0), ready, current and ready >= desired and updated >= desired
+
+
+def _pool_status(obj: dict | None, desired: int, last_scaling: dict | None) -> tuple[dict, bool, str]:
+    pods, ready, rolled_out = _rollout(obj, desired)
+    status = to_wire(PoolStatus(desired_replicas=desired, replicas=pods, ready_replicas=ready,
+                                ready=f"{ready}/{desired}"))
+    if last_scaling:
+        status["lastScaling"] = last_scaling
+    if obj is None:
+        return status, False, "StatefulSet missing"
+    if desired == 0:
+        return status, False, "scaled to zero replicas"
+    return status, rolled_out, f"{ready}/{desired} servers ready"
+
+
+class _Conditions:
+    """Builds the condition list, carrying lastTransitionTime over from the previous status."""
+
+    def __init__(self, previous: list[dict], generation: int, now: str):
+        self.previous = {c.get("type"): c for c in previous or []}
+        self.generation, self.now = generation, now
+        self.items: list[dict] = []
+
+    def set(self, type_: str, status: bool | None, reason: str, message: str) -> None:
+        value = "Unknown" if status is None else ("True" if status else "False")
+        old = self.previous.get(type_, {})
+        since = old.get("lastTransitionTime") if old.get("status") == value else None
+        self.items.append(to_wire(Condition(type=type_, status=value, reason=reason, message=message,
+                                            last_transition_time=since or self.now,
+                                            observed_generation=self.generation)))
+
+
+def compute_status(inst: Instance, generation: int, observed: Observed, previous: dict | None, now: str) -> dict:
+    """The full status of a valid InferenceService."""
+    previous = previous or {}
+    conds = _Conditions(previous.get("conditions", []), generation, now)
+    out: dict = {"observedGeneration": generation}
+    ready = {}
+    for pool in POOLS:
+        last = (previous.get(pool) or {}).get("lastScaling")
+        out[pool], ready[pool], message = _pool_status(getattr(observed, pool), inst.pool_replicas(pool), last)
+        conds.set(f"{pool.capitalize()}Ready", ready[pool], "ServersReady" if ready[pool] else "ServersNotReady",
+                  message)
+    want = inst.spec.router.replicas
+    pods, router_ready, router_ok = _rollout(observed.router, want)
+    out["router"] = to_wire(RouterStatus(replicas=pods, ready_replicas=router_ready, endpoint=inst.router_endpoint))
+    conds.set("RouterReady", router_ok, "RouterReady" if router_ok else "RouterNotReady",
+              f"{router_ready}/{want} router pods ready" + ("" if router_ok else
+              " (a router turns ready once it sees a ready prefill and a ready decode server)"))
+    all_ready = router_ok and all(ready.values())
+    conds.set("Ready", all_ready, "AllReady" if all_ready else "NotReady",
+              f"serving {inst.spec.model.name} at {inst.router_endpoint}" if all_ready else
+              "waiting for " + ", ".join(k for k, v in (*ready.items(), ("router", router_ok)) if not v))
+    conds.set("Progressing", not all_ready, "RollingOut" if not all_ready else "Settled",
+              "pods are starting or being updated" if not all_ready else "every pod runs the current spec")
+    missing = [k for k in (*POOLS, "router") if getattr(observed, k) is None]
+    conds.set("Degraded", bool(missing), "ObjectsMissing" if missing else "AsExpected",
+              f"missing: {', '.join(missing)} (being recreated)" if missing else "")
+    if inst.spec.autoscaling.enabled:
+        conds.set("AutoscalerHealthy", False, "AutoscalerNotRunning",
+                  "this operator version does not scale pools yet; replicas come from the spec")
+    else:
+        conds.set("AutoscalerHealthy", None, "AutoscalingDisabled", "spec.autoscaling.enabled is false")
+    out["conditions"] = conds.items
+    any_ready = any(v["readyReplicas"] for v in (out["prefill"], out["decode"], out["router"]))
+    out["phase"] = "Ready" if all_ready else ("Progressing" if any_ready or not missing else "Pending")
+    return out
+
+
+def invalid_status(generation: int, message: str, previous: dict | None, now: str) -> dict:
+    """Status of a spec that can never work: phase Failed, Degraded with the reason. The pools
+    and router keep whatever the last valid spec gave them."""
+    previous = previous or {}
+    conds = _Conditions(previous.get("conditions", []), generation, now)
+    conds.set("Ready", False, "InvalidSpec", message)
+    conds.set("Progressing", False, "InvalidSpec", "nothing is applied until the spec is fixed")
+    conds.set("Degraded", True, "InvalidSpec", message)
+    kept = [c for c in previous.get("conditions", []) if c.get("type") not in ("Ready", "Progressing", "Degraded")]
+    return {"observedGeneration": generation, "phase": "Failed", "conditions": conds.items + kept}
