@@ -11,11 +11,12 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from typing import NoReturn
 
 import kopf
 
 from tandem.operator import render
-from tandem.operator.kube import PLURALS, Kube, is_subset
+from tandem.operator.kube import PLURALS, ApiException, Kube, is_subset
 from tandem.operator.metrics import DRIFT_CORRECTIONS, RECONCILE_SECONDS, RECONCILES
 from tandem.operator.schema import SpecError
 from tandem.operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec
@@ -75,6 +76,17 @@ def refresh_status(kube: Kube, owner: dict, inst: render.Instance) -> dict:
 # --------------------------------------------------------------------------------------------- reconcile
 
 
+def _fail(kube: Kube, owner: dict, message: str) -> NoReturn:
+    """A spec that can never work: phase Failed, Degraded with `message`, a Warning event, and no
+    retries until the spec changes."""
+    RECONCILES.labels(result="invalid").inc()
+    meta = owner["metadata"]
+    status = invalid_status(meta.get("generation", 0), message, owner.get("status"), _now())
+    kube.patch_status(GROUP, VERSION, PLURAL, meta["namespace"], meta["name"], status)
+    kopf.warn(owner, reason="InvalidSpec", message=message)
+    raise kopf.PermanentError(message) from None
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -86,12 +98,7 @@ def reconcile(body, **_) -> None:
     try:
         inst = _instance(owner)
     except SpecError as e:
-        RECONCILES.labels(result="invalid").inc()
-        status = invalid_status(owner["metadata"].get("generation", 0), str(e), owner.get("status"), _now())
-        meta = owner["metadata"]
-        kube.patch_status(GROUP, VERSION, PLURAL, meta["namespace"], meta["name"], status)
-        kopf.warn(owner, reason="InvalidSpec", message=f"{e}. Fix the spec; nothing was applied.")
-        raise kopf.PermanentError(str(e)) from None
+        _fail(kube, owner, f"{e}. Fix the spec; nothing was applied.")
 
     monitor_kinds = _monitor_kinds(kube)
     wants_monitor = inst.spec.monitoring.service_monitor or inst.spec.monitoring.pod_monitor
@@ -100,7 +107,17 @@ def reconcile(body, **_) -> None:
         kopf.warn(owner, reason="MonitoringUnavailable",
                   message="spec.monitoring asks for a monitor but the cluster serves no monitoring.coreos.com/v1 "
                           "ServiceMonitor/PodMonitor (install the Prometheus Operator CRDs)")
-    results = [kube.apply(obj) for obj in objects]
+    results = []
+    for obj in objects:
+        try:
+            results.append(kube.apply(obj))
+        except ApiException as e:
+            if e.status not in (400, 422):
+                raise  # conflicts, throttling, RBAC, outages: kopf retries with backoff
+            # The API server refuses what the spec renders (e.g. a malformed affinity): retrying
+            # the same spec cannot help.
+            _fail(kube, owner, f"the API server rejected {obj['kind']}/{obj['metadata']['name']}: {e.reason}: "
+                               f"{(e.body or '')[:500]}")
     wanted = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in objects}
     for api_version, kind in CHILD_KINDS + monitor_kinds:
         for live in _owned(kube, inst.namespace, inst.uid, api_version, kind):

@@ -198,3 +198,25 @@ async def test_invalid_spec_is_reported_and_nothing_is_applied(cluster):
     await eventually(lambda: alive(k8s, (STS, NS, "smollm2-decode")), what="applied after the fix")
     await eventually(lambda: condition(k8s.objects[ISVC, NS, "smollm2"], "Degraded").get("status") == "False",
                      what="Degraded cleared")
+
+
+@pytest.mark.asyncio
+async def test_an_object_the_api_server_rejects_fails_the_service(cluster):
+    k8s = cluster
+    ns = "strict"
+    rejection = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422,
+                 "message": 'StatefulSet.apps "smollm2-prefill" is invalid: spec.template.spec.affinity: Invalid value'}
+    k8s[f"post /apis/apps/v1/namespaces/{ns}/statefulsets"] << 422 << rejection
+    body = example("minimal")
+    body["metadata"]["namespace"] = ns
+    resp = await k8s.post(f"/apis/tandem.dev/v1alpha1/namespaces/{ns}/inferenceservices", json=body)
+    assert resp.status == 200, await resp.text()
+
+    def failed():
+        return k8s.objects[ISVC, ns, "smollm2"].get("status", {}).get("phase") == "Failed"
+
+    await eventually(failed, what="phase Failed")
+    degraded = condition(k8s.objects[ISVC, ns, "smollm2"], "Degraded")
+    assert degraded["status"] == "True" and "rejected StatefulSet/smollm2-prefill" in degraded["message"]
+    assert "spec.template.spec.affinity" in degraded["message"]
+    await eventually(lambda: events(k8s, "InvalidSpec"), what="InvalidSpec event")
