@@ -9,20 +9,19 @@ and of the InferenceService's status.
 from __future__ import annotations
 
 import datetime
-import logging
+import threading
 import time
+from collections import defaultdict
 from typing import NoReturn
 
 import kopf
 
 from tandem.operator import render
-from tandem.operator.kube import PLURALS, ApiException, Kube, is_subset
+from tandem.operator.kube import PLURALS, ApiException, Kube, up_to_date
 from tandem.operator.metrics import DRIFT_CORRECTIONS, RECONCILE_SECONDS, RECONCILES
 from tandem.operator.schema import SpecError
 from tandem.operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec
 from tandem.operator.status import Observed, compute_status, invalid_status
-
-log = logging.getLogger("tandem.operator")
 
 MONITOR_API = "monitoring.coreos.com/v1"
 CHILD_KINDS = [(v, k) for (v, k) in PLURALS if v != MONITOR_API]
@@ -30,6 +29,10 @@ MANAGED = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
 
 # Operator-wide settings; `tandem operator` replaces them before kopf starts.
 DEFAULTS = render.Defaults()
+
+# One writer per InferenceService at a time: kopf runs the reconcile and owned-object handlers in
+# parallel threads, and a status computed from a stale read must never overwrite a newer one.
+_LOCKS: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 
 
 def configure(defaults: render.Defaults) -> None:
@@ -66,9 +69,10 @@ def _observe(kube: Kube, inst: render.Instance) -> Observed:
     )
 
 
-def refresh_status(kube: Kube, owner: dict, inst: render.Instance) -> dict:
-    status = compute_status(inst, owner["metadata"].get("generation", 0), _observe(kube, inst),
-                            owner.get("status"), _now())
+def refresh_status(kube: Kube, owner: dict, inst: render.Instance, generation: int) -> dict:
+    """Status from the owned objects. `generation` is the spec generation they were rendered
+    from: the InferenceService's own after a reconcile, the last reconciled one otherwise."""
+    status = compute_status(inst, generation, _observe(kube, inst), owner.get("status"), _now())
     kube.patch_status(GROUP, VERSION, PLURAL, inst.namespace, inst.name, status)
     return status
 
@@ -92,9 +96,18 @@ def _fail(kube: Kube, owner: dict, message: str) -> NoReturn:
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile(body, **_) -> None:
     """Render everything from the spec and apply it; prune what the spec no longer asks for."""
+    meta = body["metadata"]
+    with _LOCKS[meta["namespace"], meta["name"]]:
+        kube = Kube()
+        # Act on the object as it is now (its generation and status included), not on the
+        # event's copy: another handler may have written status since the event was sent.
+        owner = kube.get_custom(GROUP, VERSION, PLURAL, meta["namespace"], meta["name"])
+        if owner is not None:
+            _reconcile(kube, owner)
+
+
+def _reconcile(kube: Kube, owner: dict) -> None:
     started = time.monotonic()
-    owner = dict(body)
-    kube = Kube()
     try:
         inst = _instance(owner)
     except SpecError as e:
@@ -123,7 +136,7 @@ def reconcile(body, **_) -> None:
         for live in _owned(kube, inst.namespace, inst.uid, api_version, kind):
             if (api_version, kind, live["metadata"]["name"]) not in wanted:
                 kube.delete(api_version, kind, inst.namespace, live["metadata"]["name"])
-    refresh_status(kube, owner, inst)
+    refresh_status(kube, owner, inst, owner["metadata"].get("generation", 0))
     RECONCILES.labels(result="applied").inc()
     RECONCILE_SECONDS.observe(time.monotonic() - started)
     changed = [f"{o['kind']}/{o['metadata']['name']} {r}" for o, r in zip(objects, results) if r != "unchanged"]
@@ -148,10 +161,24 @@ def _owner_of(kube: Kube, body) -> dict | None:
 
 def on_owned_event(type, body, **_) -> None:
     """A change to an owned object: undo deletions and edits of rendered fields, keep status fresh."""
+    owner_refs = [r for r in body.get("metadata", {}).get("ownerReferences", []) if r.get("kind") == KIND]
+    if not owner_refs:
+        return
+    with _LOCKS[body["metadata"]["namespace"], owner_refs[0]["name"]]:
+        _on_owned_event(type, body)
+
+
+def _on_owned_event(type, body) -> None:
     kube = Kube()
     owner = _owner_of(kube, body)
     if owner is None:
         return
+    status = owner.get("status") or {}
+    reconciled = status.get("observedGeneration", 0)
+    if reconciled != owner["metadata"].get("generation"):
+        return  # a newer spec is waiting for its reconcile, which applies it and writes status
+    if status.get("phase") == "Failed":
+        return  # this spec failed: keep its Failed status and don't re-apply what was refused
     try:
         inst = _instance(owner)
     except SpecError:
@@ -159,14 +186,14 @@ def on_owned_event(type, body, **_) -> None:
     meta = body["metadata"]
     key = (body.get("apiVersion"), body.get("kind"), meta["name"])
     desired = next((o for o in render.render_all(inst) if (o["apiVersion"], o["kind"], o["metadata"]["name"]) == key), None)
-    if desired is not None and (type == "DELETED" or not is_subset(desired, body)):
+    if desired is not None and (type == "DELETED" or not up_to_date(desired, body)):
         result = kube.apply(desired)
         if result in ("created", "patched"):
             DRIFT_CORRECTIONS.labels(kind=body["kind"]).inc()
             what = "deleted" if type == "DELETED" else "edited"
             kopf.info(owner, reason="DriftCorrected", message=f"{body['kind']}/{meta['name']} was {what}; {result} it")
     if body.get("kind") in ("StatefulSet", "Deployment"):
-        refresh_status(kube, owner, inst)
+        refresh_status(kube, owner, inst, reconciled)
 
 
 for _api_version, _kind in CHILD_KINDS:
@@ -191,9 +218,13 @@ def _settings(settings: kopf.OperatorSettings, **_) -> None:
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
-    """Handler progress in annotations (status belongs to the CRD's schema), events at INFO."""
+    """Handler progress in annotations (status belongs to the CRD's schema); owned kinds are
+    watched through a label selector, not every object of the kind in the cluster."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tandem.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="tandem.dev",
                                                                           key="last-handled-configuration")
     settings.persistence.finalizer = "tandem.dev/cleanup"
-    settings.posting.level = logging.INFO
+    selector = ",".join(f"{k}={v}" for k, v in MANAGED.items())
+    for api_version, kind in CHILD_KINDS:
+        group = api_version.rpartition("/")[0]
+        settings.watching.label_selectors[group, PLURALS[api_version, kind]] = selector

@@ -7,6 +7,7 @@ For an InferenceService `NAME` in namespace `NS` the operator owns:
     ConfigMap    NAME-router-workers            workers.json, the router's view of both pools
     Deployment   NAME-router                    smg launch --pd-disaggregation, file discovery
     Service      NAME-router                    clients: OpenAI HTTP on spec.router.service.port
+    Service      NAME-router-metrics            the router's /metrics, in-cluster only
     PodDisruptionBudget NAME-prefill, NAME-decode, NAME-router (each unless disabled)
     ServiceMonitor or PodMonitor NAME           when spec.monitoring asks for one
 
@@ -191,9 +192,6 @@ def _server_container(inst: Instance, pool: str) -> dict:
     if spec.model.source == "huggingface":
         env.append({"name": "HF_HOME", "value": MODEL_DIR})
     env += [{"name": k, "value": v} for k, v in sorted(p.env.items())]
-    capabilities: dict = {"drop": ["ALL"]}
-    if spec.kv_transfer.protocol == "rdma":
-        capabilities["add"] = ["IPC_LOCK"]  # RDMA registers (pins) the KV pool's memory
     container = {
         "name": "server",
         "image": spec.image,
@@ -210,7 +208,7 @@ def _server_container(inst: Instance, pool: str) -> dict:
         # Liveness asks only whether the process answers: a draining server must not be restarted.
         "livenessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 10, "failureThreshold": 6},
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": capabilities},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     resources = _resources(p.resources)
     if resources:
@@ -294,9 +292,9 @@ def render_pdb(inst: Instance, component: str) -> dict | None:
 
 
 def worker_manifest(inst: Instance) -> dict:
-    """smg's discovery manifest: every pod of both pools by stable DNS name. Pods that are still
-    loading are listed too; the router retries them until they answer. The autoscaler removes a
-    pod here before it scales its StatefulSet down."""
+    """smg's discovery manifest: every pod of both pools (ordinals below the pool's replicas) by
+    stable DNS name. Pods that are still loading are listed too; the router retries them until
+    they answer."""
     workers = []
     for pool in POOLS:
         for i in range(inst.pool_replicas(pool)):
@@ -401,9 +399,20 @@ def render_router_service(inst: Instance) -> dict:
         "spec": {
             "type": svc.type,
             "selector": selector_labels(inst, "router"),
-            "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "appProtocol": "http"},
-                      {"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics"}],
+            "ports": [{"name": "http", "port": svc.port, "targetPort": "http", "appProtocol": "http"}],
         },
+    }
+
+
+def render_router_metrics_service(inst: Instance) -> dict:
+    """The router's /metrics (per-worker series, no auth) on a ClusterIP Service of its own, so a
+    LoadBalancer client Service never exposes it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(inst, f"{inst.router_name}-metrics", "router"),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(inst, "router"),
+                 "ports": [{"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics"}]},
     }
 
 
@@ -411,7 +420,8 @@ def render_router_service(inst: Instance) -> dict:
 
 
 def render_monitor(inst: Instance) -> dict | None:
-    """A ServiceMonitor over the three Services, or a PodMonitor over all pods: port `metrics`."""
+    """A ServiceMonitor over the pools' and the router's metrics Services, or a PodMonitor over
+    all pods: port `metrics`."""
     mon = inst.spec.monitoring
     if not (mon.service_monitor or mon.pod_monitor):
         return None
@@ -432,12 +442,13 @@ def render_monitor(inst: Instance) -> dict | None:
 
 
 def render_all(inst: Instance, *, monitoring_available: bool = True) -> list[dict]:
-    """Every object the instance should own, in apply order (the workers ConfigMap before the
-    router that mounts it). The monitor is left out when the cluster has no monitoring CRDs."""
-    objects = []
+    """Every object the instance should own, in apply order: the router's worker list first (a
+    pool that shrinks leaves the router's view before its pods go), then the pools, the router.
+    The monitor is left out when the cluster has no monitoring CRDs."""
+    objects = [render_workers_configmap(inst)]
     for pool in POOLS:
         objects += [render_headless_service(inst, pool), render_statefulset(inst, pool)]
-    objects += [render_workers_configmap(inst), render_router_deployment(inst), render_router_service(inst)]
+    objects += [render_router_deployment(inst), render_router_service(inst), render_router_metrics_service(inst)]
     objects += [pdb for c in (*POOLS, "router") if (pdb := render_pdb(inst, c))]
     if monitoring_available and (monitor := render_monitor(inst)):
         objects.append(monitor)

@@ -7,6 +7,7 @@ checks a schema cannot express (min <= replicas <= max, a model source's require
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from tandem.operator.schema import FreeForm, Quantity, SpecError, api_field, parse
@@ -27,8 +28,11 @@ MODEL_SOURCES = ("builtin", "gguf", "pvc", "huggingface")
 DTYPES = ("bfloat16", "float16", "float32")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
-PREFILL_POLICIES = ("power_of_two", "cache_aware", "round_robin", "random", "least_load", "prefix_hash")
+# smg's policies that need no further configuration; `bucket` exists for prefill only.
 DECODE_POLICIES = ("power_of_two", "cache_aware", "round_robin", "random", "least_load", "prefix_hash")
+PREFILL_POLICIES = (*DECODE_POLICIES, "bucket")
+# Service names (DNS-1035): a letter first, no dots.
+SERVICE_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 
 # --------------------------------------------------------------------------------------------- spec
@@ -285,8 +289,8 @@ RESERVED_SERVER_FLAGS = ("--role", "--host", "--port", "--metrics-port", "--mode
                          "--dtype", "--device", "--bootstrap-port", "--advertise-host", "--kv-transfer-protocol",
                          "--ib-device", "--drain-grace-seconds", "--bootstrap-timeout")
 RESERVED_ROUTER_FLAGS = ("--host", "--port", "--pd-disaggregation", "--discovery-provider", "--discovery-file",
-                         "--prefill-policy", "--decode-policy", "--health-check-port", "--prometheus-port",
-                         "--prometheus-host")
+                         "--service-discovery", "--prefill-policy", "--decode-policy", "--health-check-port",
+                         "--prometheus-port", "--prometheus-host")
 
 
 def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
@@ -294,6 +298,9 @@ def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
     if len(name) > MAX_NAME_LENGTH:
         raise SpecError("metadata.name", f"{name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} "
                         "(pod names and labels are built from it)")
+    if not re.match(SERVICE_NAME, name):
+        raise SpecError("metadata.name", f"{name!r}: Service names are built from it, so it must start with a "
+                        "letter and hold only lowercase letters, digits and '-'")
     parsed = parse(InferenceServiceSpec, spec)
     _check_model(parsed.model)
     for pool_name in ("prefill", "decode"):
@@ -301,6 +308,10 @@ def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
     kv = parsed.kv_transfer
     if kv.protocol == "rdma" and not kv.ib_devices:
         raise SpecError("spec.kvTransfer.ibDevices", "protocol rdma needs at least one RDMA device, e.g. [mlx5_0]")
+    if kv.protocol == "tcp" and kv.ib_devices:
+        raise SpecError("spec.kvTransfer.ibDevices", "RDMA devices apply only to protocol rdma; remove them or "
+                        "set protocol: rdma")
+    _check_tolerations("spec.router.tolerations", parsed.router.tolerations)
     _check_flags("spec.router.extraArgs", parsed.router.extra_args, RESERVED_ROUTER_FLAGS)
     mon = parsed.monitoring
     if mon.service_monitor and mon.pod_monitor:
@@ -338,13 +349,28 @@ def _check_pool(pool_name: str, pool: PoolSpec) -> None:
         raise SpecError(f"{where}.resources.limits.nvidia.com/gpu", f"{gpus}: one server uses one GPU; "
                         "scale with replicas instead")
     _check_flags(f"{where}.engineArgs", pool.engine_args, RESERVED_SERVER_FLAGS)
+    _check_tolerations(f"{where}.tolerations", pool.tolerations)
 
 
 def _check_flags(where: str, args: list[str], reserved: tuple[str, ...]) -> None:
+    """Refuse reserved flags, also abbreviated (argparse accepts unique prefixes)."""
     for i, arg in enumerate(args):
         flag = arg.split("=", 1)[0]
-        if flag in reserved:
-            raise SpecError(f"{where}[{i}]", f"{flag} is set by the operator from the spec; set the spec field instead")
+        owned = [r for r in reserved if flag.startswith("--") and len(flag) > 2 and r.startswith(flag)]
+        if owned:
+            raise SpecError(f"{where}[{i}]", f"{flag} sets {owned[0]}, which the operator sets from the spec; "
+                            "set the spec field instead")
+
+
+def _check_tolerations(where: str, tolerations: list[Toleration]) -> None:
+    """The rules the API server applies to a pod's tolerations."""
+    for i, t in enumerate(tolerations):
+        if t.operator == "Exists" and t.value:
+            raise SpecError(f"{where}[{i}].value", "must be empty when operator is Exists")
+        if t.operator == "Equal" and not t.key:
+            raise SpecError(f"{where}[{i}].key", "required when operator is Equal (use Exists to match every taint)")
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            raise SpecError(f"{where}[{i}].tolerationSeconds", "applies only to effect NoExecute")
 
 
 def gpu_count(resources: Resources) -> int:

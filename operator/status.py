@@ -38,9 +38,9 @@ def _rollout(obj: dict | None, desired: int) -> tuple[int, int, bool]:
         return 0, 0, False
     status = obj.get("status") or {}
     current = status.get("observedGeneration", 0) >= obj.get("metadata", {}).get("generation", 0)
-    ready = status.get("readyReplicas", 0)
-    updated = status.get("updatedReplicas", 0)
-    return status.get("replicas", 0), ready, current and ready >= desired and updated >= desired
+    pods, ready, updated = status.get("replicas", 0), status.get("readyReplicas", 0), status.get("updatedReplicas", 0)
+    # No pod of an older template is left (a surge pod may be ready while a new one is not).
+    return pods, ready, current and ready >= desired and updated >= desired and pods == updated
 
 
 def _pool_status(obj: dict | None, desired: int, last_scaling: dict | None) -> tuple[dict, bool, str]:

@@ -46,6 +46,7 @@ WRITE = {"get", "list", "watch", "create", "patch", "delete"}
 NAMESPACED_GRANTS = {
     ("tandem.dev", "inferenceservices"): {"get", "list", "watch", "patch", "update"},
     ("tandem.dev", "inferenceservices/status"): {"get", "patch", "update"},
+    ("tandem.dev", "inferenceservices/finalizers"): {"update"},
     ("apps", "statefulsets"): WRITE,
     ("apps", "deployments"): WRITE,
     ("", "services"): WRITE,

@@ -167,6 +167,14 @@ CROSS_FIELD = [
     (_with("spec.router.extraArgs", ["--discovery-provider=kubernetes"]), "spec.router.extraArgs[0]"),
     (_with("spec.monitoring", {"serviceMonitor": True, "podMonitor": True}), "spec.monitoring"),
     (_with("metadata.name", "x" * 45), "metadata.name"),
+    (_with("metadata.name", "1st-model"), "metadata.name"),
+    (_with("spec.kvTransfer.ibDevices", ["mlx5_0"]), "spec.kvTransfer.ibDevices"),
+    (_with("spec.decode.engineArgs", ["--metrics-p", "9"]), "spec.decode.engineArgs[0]"),
+    (_with("spec.router.extraArgs", ["--service-discovery"]), "spec.router.extraArgs[0]"),
+    (_with("spec.prefill.tolerations", [{"effect": "NoSchedule"}]), "spec.prefill.tolerations[0].key"),
+    (_with("spec.router.tolerations", [{"operator": "Exists", "value": "x"}]), "spec.router.tolerations[0].value"),
+    (_with("spec.decode.tolerations", [{"key": "k", "value": "v", "effect": "NoSchedule", "tolerationSeconds": 5}]),
+     "spec.decode.tolerations[0].tolerationSeconds"),
 ]
 
 

@@ -83,8 +83,13 @@ async def mark_ready(emulator, resource, name: str, replicas: int) -> None:
     assert resp.status == 200, await resp.text()
 
 
+def container_args(emulator, statefulset: str) -> list[str]:
+    return emulator.objects[STS, NS, statefulset]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 EXPECTED = {("statefulsets", "smollm2-prefill"), ("statefulsets", "smollm2-decode"),
             ("services", "smollm2-prefill"), ("services", "smollm2-decode"), ("services", "smollm2-router"),
+            ("services", "smollm2-router-metrics"),
             ("configmaps", "smollm2-router-workers"), ("deployments", "smollm2-router"),
             ("poddisruptionbudgets", "smollm2-prefill"), ("poddisruptionbudgets", "smollm2-decode"),
             ("poddisruptionbudgets", "smollm2-router")}
@@ -137,9 +142,24 @@ async def test_create_ready_update_drift_delete(cluster):
 
     await eventually(lambda: worker_ids() == ["smollm2-prefill-0", "smollm2-prefill-1", "smollm2-decode-0"],
                      what="the router's worker manifest lists the new prefill pod")
-    await eventually(lambda: k8s.objects[ISVC, NS, "smollm2"]["status"]["prefill"]["ready"] == "1/2",
-                     what="status shows the new desired count")
-    assert k8s.objects[ISVC, NS, "smollm2"]["status"]["observedGeneration"] == 2
+    await eventually(lambda: k8s.objects[ISVC, NS, "smollm2"]["status"]["observedGeneration"] == 2,
+                     what="status describes the new spec")
+    assert k8s.objects[ISVC, NS, "smollm2"]["status"]["prefill"]["ready"] == "1/2"
+
+    # A setting the spec drops is dropped from the object: the operator sends a server-side apply
+    # of the new render (on a real API server that removes fields; KMock merges).
+    resp = await k8s.patch(f"{URL}/smollm2", json={"spec": {"decode": {"engineArgs": None}}}, headers=MERGE)
+    assert resp.status == 200, await resp.text()
+
+    def applied_without_args():
+        return [r for r in list(k8s) if r.action == kmock.action.UPDATE and r.resource == STS
+                and r.name == "smollm2-decode" and "apply-patch" in r.headers.get("Content-Type", "")
+                and r.params.get("fieldManager") == "tandem-operator"
+                and "--max-running-requests" not in json.dumps(r.data)]
+
+    await eventually(applied_without_args, what="a server-side apply without the dropped engine args")
+    await eventually(lambda: "--max-running-requests" not in container_args(k8s, "smollm2-decode"),
+                     what="the stored StatefulSet without the dropped args")
 
     # Drift: a deleted StatefulSet comes back; an edited Service port is put back.
     resp = await k8s.delete(f"/apis/apps/v1/namespaces/{NS}/statefulsets/smollm2-decode")

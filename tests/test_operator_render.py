@@ -58,7 +58,7 @@ def test_every_rendered_object_validates_and_is_owned(example):
         assert all(len(v) <= 63 for v in meta["labels"].values())
     kinds = sorted(o["kind"] for o in objects)
     expected = ["ConfigMap", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget",
-                "Service", "Service", "Service", "StatefulSet", "StatefulSet"]
+                "Service", "Service", "Service", "Service", "StatefulSet", "StatefulSet"]
     assert kinds == sorted(expected + (["ServiceMonitor"] if example == "full" else []))
 
 
@@ -122,7 +122,7 @@ def test_full_example_gpus_scheduling_rdma_and_model_claim():
     assert args.device == "cuda" and args.model == "/models/smollm2/SmolLM2-135M-Instruct.gguf"
     assert args.kv_transfer_protocol == "rdma" and args.ib_device == "mlx5_0,mlx5_1"
     assert (args.max_prefill_tokens, args.chunked_prefill_size) == (16384, 4096)
-    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == "1"  # device plugin resources are requested
     assert {"mountPath": "/models", "name": "model", "readOnly": True} in c["volumeMounts"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
@@ -135,14 +135,17 @@ def test_full_example_gpus_scheduling_rdma_and_model_claim():
     monitor = objects["ServiceMonitor", "smollm2-gpu"]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
-    # The monitor selects exactly the three Services, on a port each of them names `metrics`.
-    services = [o for o in objects.values() if o["kind"] == "Service"]
+    # The monitor selects the Services that carry a `metrics` port: both pools' and the router's own.
+    scraped = [o for o in objects.values() if o["kind"] == "Service" and "metrics" in {p["name"] for p in o["spec"]["ports"]}]
+    assert sorted(o["metadata"]["name"] for o in scraped) == ["smollm2-gpu-decode", "smollm2-gpu-prefill",
+                                                              "smollm2-gpu-router-metrics"]
     sel = monitor["spec"]["selector"]
-    for svc in services:
+    for svc in scraped:
         labels = svc["metadata"]["labels"]
         assert sel["matchLabels"].items() <= labels.items()
         assert labels["app.kubernetes.io/component"] in sel["matchExpressions"][0]["values"]
-        assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
+    # The client Service (a LoadBalancer here) exposes the API only.
+    assert [p["name"] for p in objects["Service", "smollm2-gpu-router"]["spec"]["ports"]] == ["http"]
 
 
 def test_huggingface_model_reads_the_cache_claim_offline():

@@ -100,6 +100,11 @@ status (kopf keeps finalizers and handler progress on the object), the kinds it 
 - apiGroups: ["tandem.dev"]
   resources: ["inferenceservices/status"]
   verbs: ["get", "patch", "update"]
+{{- /* Owned objects carry blockOwnerDeletion: clusters that enforce owner-reference permissions
+  require update on the owner's finalizers to set it. */}}
+- apiGroups: ["tandem.dev"]
+  resources: ["inferenceservices/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
