@@ -116,7 +116,7 @@ def invalid_status(generation: int, message: str, previous: dict | None, now: st
     previous = previous or {}
     conds = _Conditions(previous.get("conditions", []), generation, now)
     conds.set("Ready", False, "InvalidSpec", message)
-    conds.set("Progressing", False, "InvalidSpec", "nothing is applied until the spec is fixed")
+    conds.set("Progressing", False, "InvalidSpec", "waiting for a spec that can be applied")
     conds.set("Degraded", True, "InvalidSpec", message)
     kept = [c for c in previous.get("conditions", []) if c.get("type") not in ("Ready", "Progressing", "Degraded")]
     return {"observedGeneration": generation, "phase": "Failed", "conditions": conds.items + kept}
