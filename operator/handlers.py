@@ -58,7 +58,8 @@ def _owned(kube: Kube, inst_ns: str, uid: str, api_version: str, kind: str) -> l
 
 
 def _monitor_kinds(kube: Kube) -> list[tuple[str, str]]:
-    return [(MONITOR_API, kind) for kind in ("ServiceMonitor", "PodMonitor") if kube.serves(MONITOR_API, kind)]
+    served = kube.served_kinds(MONITOR_API)
+    return [(MONITOR_API, kind) for kind in ("ServiceMonitor", "PodMonitor") if kind in served]
 
 
 def _observe(kube: Kube, inst: render.Instance) -> Observed:

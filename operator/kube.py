@@ -100,13 +100,16 @@ class Kube:
 
     # ----------------------------------------------------------------------------------- objects
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+    def _get_or_none(self, path: str) -> dict | None:
         try:
-            return self.request("GET", object_path(api_version, kind, namespace, name))
+            return self.request("GET", path)
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        return self._get_or_none(object_path(api_version, kind, namespace, name))
 
     def apply(self, obj: dict) -> str:
         """Make the live object match `obj`: 'created', 'patched', 'unchanged', or 'terminating'
@@ -153,25 +156,15 @@ class Kube:
 
     # ----------------------------------------------------------------------------------- discovery
 
-    def serves(self, api_version: str, kind: str) -> bool:
-        """Whether the cluster serves `kind` (e.g. the Prometheus Operator's ServiceMonitor)."""
-        try:
-            resources = self.request("GET", f"/apis/{api_version}").get("resources", [])
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
-        return any(r.get("kind") == kind for r in resources)
+    def served_kinds(self, api_version: str) -> set[str]:
+        """Kinds the cluster serves under `api_version` (empty when the group is not installed)."""
+        found = self._get_or_none(f"/apis/{api_version}") or {}
+        return {r.get("kind") for r in found.get("resources", [])}
 
     # ----------------------------------------------------------------------------------- custom resource
 
     def get_custom(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict | None:
-        try:
-            return self.request("GET", f"/apis/{group}/{version}/namespaces/{quote(namespace)}/{plural}/{quote(name)}")
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return self._get_or_none(f"/apis/{group}/{version}/namespaces/{quote(namespace)}/{plural}/{quote(name)}")
 
     def patch_status(self, group: str, version: str, plural: str, namespace: str, name: str, status: dict) -> None:
         """Merge-patch the status subresource (lists such as conditions are replaced whole)."""

@@ -129,15 +129,23 @@ def _pod_security() -> dict:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _scheduling(node_selector: dict, tolerations: list[Toleration], affinity: dict | None = None) -> dict:
-    out = {}
+def _pod_spec(inst: Instance, container: dict, resources, volumes: list[dict], grace_seconds: int,
+              node_selector: dict, tolerations: list[Toleration], affinity: dict | None = None) -> dict:
+    """A non-root pod of one container; empty optional parts are left out."""
+    container_resources = _resources(resources)
+    if container_resources:
+        container["resources"] = container_resources
+    spec = {"containers": [container], "volumes": volumes, "terminationGracePeriodSeconds": grace_seconds,
+            "securityContext": _pod_security(), "enableServiceLinks": False}
     if node_selector:
-        out["nodeSelector"] = dict(node_selector)
+        spec["nodeSelector"] = dict(node_selector)
     if tolerations:
-        out["tolerations"] = _tolerations(tolerations)
+        spec["tolerations"] = _tolerations(tolerations)
     if affinity:
-        out["affinity"] = dict(affinity)
-    return out
+        spec["affinity"] = dict(affinity)
+    if inst.spec.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in inst.spec.image_pull_secrets]
+    return spec
 
 
 # --------------------------------------------------------------------------------------------- pools
@@ -210,9 +218,6 @@ def _server_container(inst: Instance, pool: str) -> dict:
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    resources = _resources(p.resources)
-    if resources:
-        container["resources"] = resources
     return container
 
 
@@ -227,16 +232,8 @@ def _server_volumes(inst: Instance, pool: str) -> list[dict]:
 
 def render_statefulset(inst: Instance, pool: str) -> dict:
     p = inst.pool(pool)
-    pod_spec = {
-        "containers": [_server_container(inst, pool)],
-        "volumes": _server_volumes(inst, pool),
-        "terminationGracePeriodSeconds": p.termination_grace_period_seconds,
-        "securityContext": _pod_security(),
-        "enableServiceLinks": False,
-        **_scheduling(p.node_selector, p.tolerations, p.affinity),
-    }
-    if inst.spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in inst.spec.image_pull_secrets]
+    pod_spec = _pod_spec(inst, _server_container(inst, pool), p.resources, _server_volumes(inst, pool),
+                         p.termination_grace_period_seconds, p.node_selector, p.tolerations, p.affinity)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -359,21 +356,10 @@ def render_router_deployment(inst: Instance) -> dict:
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
     }
-    resources = _resources(router.resources)
-    if resources:
-        container["resources"] = resources
-    pod_spec = {
-        "containers": [container],
-        # Mounted as a whole directory (never subPath): the kubelet then swaps in new contents.
-        "volumes": [{"name": "workers", "configMap": {"name": inst.workers_configmap}},
-                    {"name": "tmp", "emptyDir": {}}],
-        "terminationGracePeriodSeconds": router_grace_seconds(inst),
-        "securityContext": _pod_security(),
-        "enableServiceLinks": False,
-        **_scheduling(router.node_selector, router.tolerations),
-    }
-    if inst.spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in inst.spec.image_pull_secrets]
+    # Mounted as a whole directory (never subPath): the kubelet then swaps in new contents.
+    volumes = [{"name": "workers", "configMap": {"name": inst.workers_configmap}}, {"name": "tmp", "emptyDir": {}}]
+    pod_spec = _pod_spec(inst, container, router.resources, volumes, router_grace_seconds(inst),
+                         router.node_selector, router.tolerations)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -235,5 +235,5 @@ def to_wire(value):
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
     if isinstance(value, Quantity):
-        return str(value)
+        return str(value)  # a plain str: YAML's safe dumper refuses str subclasses
     return value

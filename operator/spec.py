@@ -158,12 +158,10 @@ class KVTransferSpec:
 
 
 @dataclass(frozen=True)
-class PrefillAutoscaling:
-    """Prefill pool scaling: load = sum over ready servers of the metric / target."""
+class PoolAutoscaling:
+    """One pool's scaling: load = sum over ready servers of the metric / target."""
 
-    metric: str = api_field("queueRequests", "queueRequests (waiting + bootstrap queue) or "
-                            "queuedPromptTokens.", enum=("queueRequests", "queuedPromptTokens"))
-    target: float = api_field(4.0, "Metric value one server should carry.", minimum=0.001)
+    target: float = api_field(doc="Metric value one server should carry.", minimum=0.001)
     tolerance: float = api_field(0.1, "Deadband around the current size.", minimum=0.0, maximum=0.5)
     scale_up_window_seconds: int = api_field(30, "Panic window: scale up at once on load seen this long.",
                                              minimum=0)
@@ -172,17 +170,21 @@ class PrefillAutoscaling:
 
 
 @dataclass(frozen=True)
-class DecodeAutoscaling:
-    """Decode pool scaling: load = sum over ready servers of the metric / target."""
+class PrefillAutoscaling(PoolAutoscaling):
+    """Prefill pool scaling."""
 
+    target: float = api_field(4.0, "Metric value one server should carry.", minimum=0.001)
+    metric: str = api_field("queueRequests", "queueRequests (waiting + bootstrap queue) or "
+                            "queuedPromptTokens.", enum=("queueRequests", "queuedPromptTokens"))
+
+
+@dataclass(frozen=True)
+class DecodeAutoscaling(PoolAutoscaling):
+    """Decode pool scaling."""
+
+    target: float = api_field(0.7, "Metric value one server should carry.", minimum=0.001)
     metric: str = api_field("kvUsage", "kvUsage (KV pages used, plus waiting and prealloc queues) "
                             "or queueRequests.", enum=("kvUsage", "queueRequests"))
-    target: float = api_field(0.7, "Metric value one server should carry.", minimum=0.001)
-    tolerance: float = api_field(0.1, "Deadband around the current size.", minimum=0.0, maximum=0.5)
-    scale_up_window_seconds: int = api_field(30, "Panic window: scale up at once on load seen this long.",
-                                             minimum=0)
-    scale_down_window_seconds: int = api_field(300, "Stabilization: scale down only after this long "
-                                               "below target, one server at a time.", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -320,10 +322,10 @@ def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
 
 
 def _check_model(model: ModelSpec) -> None:
-    needs = {"gguf": ("path",), "pvc": ("claimName", "path"), "huggingface": ("huggingfaceId", "claimName")}
-    for field in needs.get(model.source, ()):
-        attr = {"claimName": "claim_name", "huggingfaceId": "huggingface_id", "path": "path"}[field]
-        if not getattr(model, attr):
+    needs = {"gguf": (("path", model.path),), "pvc": (("claimName", model.claim_name), ("path", model.path)),
+             "huggingface": (("huggingfaceId", model.huggingface_id), ("claimName", model.claim_name))}
+    for field, value in needs.get(model.source, ()):
+        if not value:
             raise SpecError(f"spec.model.{field}", f"required when source is {model.source}")
     if model.source == "gguf" and not (model.path.startswith("/") and model.path.endswith(".gguf")):
         raise SpecError("spec.model.path", f"{model.path!r}: source gguf needs an absolute path to a .gguf file")

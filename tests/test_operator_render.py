@@ -64,9 +64,10 @@ def test_every_rendered_object_validates_and_is_owned(example):
 
 @pytest.mark.parametrize("example", ["minimal", "full"])
 def test_selectors_match_the_pods_they_select(example):
-    objects = by_kind(render.render_all(instance(example)))
+    inst = instance(example)
+    objects = by_kind(render.render_all(inst))
     for pool in ("prefill", "decode"):
-        sts = objects["StatefulSet", f"{instance(example).name}-{pool}"]
+        sts = objects["StatefulSet", inst.pool_name(pool)]
         pod_labels = sts["spec"]["template"]["metadata"]["labels"]
         assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         svc = objects["Service", sts["spec"]["serviceName"]]
@@ -75,8 +76,8 @@ def test_selectors_match_the_pods_they_select(example):
         pdb = objects["PodDisruptionBudget", sts["metadata"]["name"]]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         other = "decode" if pool == "prefill" else "prefill"
-        assert not svc["spec"]["selector"].items() <= objects["StatefulSet", f"{instance(example).name}-{other}"][
-            "spec"]["template"]["metadata"]["labels"].items(), "a pool's Service must not select the other pool"
+        other_labels = objects["StatefulSet", inst.pool_name(other)]["spec"]["template"]["metadata"]["labels"]
+        assert not svc["spec"]["selector"].items() <= other_labels.items(), "a pool's Service must not select the other pool"
     router = next(o for o in objects.values() if o["kind"] == "Deployment")
     router_labels = router["spec"]["template"]["metadata"]["labels"]
     assert objects["Service", router["metadata"]["name"]]["spec"]["selector"].items() <= router_labels.items()
