@@ -159,40 +159,73 @@ class KVTransferSpec:
 
 @dataclass(frozen=True)
 class PoolAutoscaling:
-    """One pool's scaling: load = sum over ready servers of the metric / target."""
+    """Windows and limits shared by both pools. Load is counted in replica units: 1.0 is one
+    server at its target."""
 
-    target: float = api_field(doc="Metric value one server should carry.", minimum=0.001)
-    tolerance: float = api_field(0.1, "Deadband around the current size.", minimum=0.0, maximum=0.5)
-    scale_up_window_seconds: int = api_field(30, "Panic window: scale up at once on load seen this long.",
-                                             minimum=0)
-    scale_down_window_seconds: int = api_field(300, "Stabilization: scale down only after this long "
-                                               "below target, one server at a time.", minimum=0)
+    stable_window_seconds: int = api_field(120, "Scale to ceil(mean load over this window).", minimum=1)
+    panic_window_seconds: int = api_field(20, "When the mean load over this window reaches panicThreshold "
+                                          "x replicas, scale up at once (at most doubling) and never down "
+                                          "until a stable window passes without panic.", minimum=1)
+    panic_threshold: float = api_field(2.0, "Panic when load >= this many times the current replicas.",
+                                       minimum=1.0)
+    tolerance: float = api_field(0.1, "Deadband: no change while load is within this fraction of the "
+                                 "current replicas.", minimum=0.0, maximum=0.5)
+    scale_down_window_seconds: int = api_field(300, "Scale down (one server at a time) only when every "
+                                               "recommendation over this window allows it.", minimum=0)
+    drain_timeout_seconds: int = api_field(120, "A server leaving the pool gets this long to finish its "
+                                           "requests before its pod is removed.", minimum=0)
 
 
 @dataclass(frozen=True)
 class PrefillAutoscaling(PoolAutoscaling):
-    """Prefill pool scaling."""
+    """Prefill load: (waiting + bootstrap-queue requests) / waitingPerReplica, or, with
+    queueSecondsPerReplica, queued prompt tokens / (queueSecondsPerReplica x measured prefill
+    tokens/s of one server)."""
 
-    target: float = api_field(4.0, "Metric value one server should carry.", minimum=0.001)
-    metric: str = api_field("queueRequests", "queueRequests (waiting + bootstrap queue) or "
-                            "queuedPromptTokens.", enum=("queueRequests", "queuedPromptTokens"))
+    waiting_per_replica: float = api_field(4.0, "Waiting + bootstrap-queue requests one server should hold.",
+                                           minimum=0.001)
+    queue_seconds_per_replica: float | None = api_field(
+        None, "When set, size the pool by queued prompt tokens instead: seconds of prefill work one "
+        "server may have queued.", minimum=0.001)
 
 
 @dataclass(frozen=True)
 class DecodeAutoscaling(PoolAutoscaling):
-    """Decode pool scaling."""
+    """Decode load: max(KV usage / kvUsagePerReplica, (waiting + prealloc-queue requests) /
+    waitingPerReplica), summed over the servers."""
 
-    target: float = api_field(0.7, "Metric value one server should carry.", minimum=0.001)
-    metric: str = api_field("kvUsage", "kvUsage (KV pages used, plus waiting and prealloc queues) "
-                            "or queueRequests.", enum=("kvUsage", "queueRequests"))
+    scale_down_window_seconds: int = api_field(600, "Scale down (one server at a time) only when every "
+                                               "recommendation over this window allows it.", minimum=0)
+    drain_timeout_seconds: int = api_field(600, "A server leaving the pool gets this long to finish its "
+                                           "requests before its pod is removed.", minimum=0)
+    kv_usage_per_replica: float = api_field(0.8, "Fraction of its KV pages one server should have in use.",
+                                            minimum=0.001, maximum=1.0)
+    waiting_per_replica: float = api_field(2.0, "Waiting + prealloc-queue requests one server should hold.",
+                                           minimum=0.001)
+
+
+@dataclass(frozen=True)
+class PrometheusSource:
+    """Read the servers' signals from Prometheus instead of scraping each pod."""
+
+    url: str | None = api_field(None, "Base URL of the Prometheus HTTP API, e.g. "
+                                "http://prometheus-operated.monitoring:9090. Series must carry `namespace` "
+                                "and `pod` labels (what ServiceMonitor/PodMonitor scrapes add).",
+                                pattern=r"^https?://\S+$")
 
 
 @dataclass(frozen=True)
 class AutoscalingSpec:
-    """Queue-driven scaling of each pool, between its minReplicas and maxReplicas."""
+    """Queue-driven scaling of each pool, independently, between its minReplicas and maxReplicas."""
 
-    enabled: bool = api_field(False, "Let the operator set each pool's replicas.")
-    interval_seconds: int = api_field(15, "Seconds between decisions.", minimum=5)
+    enabled: bool = api_field(False, "Let the operator set each pool's replicas (spec replicas is then "
+                              "the starting size).")
+    interval_seconds: int = api_field(15, "Seconds between samples and decisions.", minimum=1)
+    prometheus: PrometheusSource = api_field(PrometheusSource(), "Optional: where to read signals. "
+                                             "Default: each ready server's /metrics.")
+    router_settle_seconds: int = api_field(
+        60, "A server taken out of the router's worker list keeps serving at least this long before its "
+        "pod may be removed (kubelet ConfigMap sync plus the router's reread).", minimum=0)
     prefill: PrefillAutoscaling = api_field(PrefillAutoscaling(), "Prefill pool.")
     decode: DecodeAutoscaling = api_field(DecodeAutoscaling(), "Decode pool.")
 
@@ -250,6 +283,24 @@ class ScalingDecision:
 
 
 @dataclass(frozen=True)
+class PoolSignals:
+    """The autoscaler's last sample of a pool."""
+
+    time: str = api_field(doc="When the servers were sampled.", fmt="date-time")
+    load: float = api_field(doc="Load in replica units (1.0 = one server at its target).")
+    servers: int = api_field(doc="Ready servers whose metrics were read.")
+    values: dict[str, float] = api_field({}, "The signals summed over those servers (waiting, kvUsage, ...).")
+
+
+@dataclass(frozen=True)
+class Drain:
+    """A server leaving the pool: out of the router's worker list, finishing its requests."""
+
+    pod: str = api_field(doc="The pod being drained (the pool's highest ordinal).")
+    since: str = api_field(doc="When it left the router's worker list.", fmt="date-time")
+
+
+@dataclass(frozen=True)
 class PoolStatus:
     """What a pool's StatefulSet reports."""
 
@@ -258,6 +309,8 @@ class PoolStatus:
     ready_replicas: int = api_field(0, "Pods that pass their readiness probe.")
     ready: str = api_field("0/0", "ready/desired, for `kubectl get`.")
     last_scaling: ScalingDecision | None = api_field(None, "The autoscaler's last decision.")
+    signals: PoolSignals | None = api_field(None, "The autoscaler's last sample.")
+    draining: Drain | None = api_field(None, "The server being drained before its pod is removed.")
 
 
 @dataclass(frozen=True)

@@ -383,6 +383,7 @@ class Engine:
         self.snapshot = EngineSnapshot(
             running=sched.num_running,
             waiting=sched.num_waiting,
+            queued_prompt_tokens=sched.queued_prompt_tokens,
             kv_pages_total=mem.num_pages,
             kv_pages_used=mem.used_pages,
             page_size=mem.page_size,

@@ -28,6 +28,7 @@ LABELS = ("role", "model")
 GAUGES = {
     "tandem_num_requests_running": ("Requests holding a slot (prefilling or decoding)", "running"),
     "tandem_num_requests_waiting": ("Requests in the waiting queue", "waiting"),
+    "tandem_queued_prompt_tokens": ("Prompt tokens of waiting requests not yet prefilled", "queued_prompt_tokens"),
     "tandem_kv_pages_total": ("Pages in the KV pool", "kv_pages_total"),
     "tandem_kv_pages_used": ("KV pages used by requests (not free, not evictable cache)", "kv_pages_used"),
     "tandem_kv_page_size_tokens": ("Tokens per KV page", "page_size"),

@@ -103,6 +103,11 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def queued_prompt_tokens(self) -> int:
+        """Tokens the waiting requests (and a partly prefilled one) still need prefilled."""
+        return sum(r.pending for r in self.waiting) + (self.chunked.pending if self.chunked is not None else 0)
+
+    @property
     def num_running(self) -> int:
         return len(self.running) + (self.chunked is not None)
 

@@ -14,6 +14,7 @@ class EngineSnapshot:
     # gauges
     running: int = 0  # requests holding a slot (prefilling or decoding)
     waiting: int = 0
+    queued_prompt_tokens: int = 0  # prompt tokens of waiting (and partly prefilled) requests still to compute
     kv_pages_total: int = 0
     kv_pages_used: int = 0  # pinned or owned by requests (not free, not evictable cache)
     page_size: int = 1
