@@ -1,8 +1,9 @@
-"""`tandem operator`: run the kopf operator, or print/write the generated CRD."""
+"""`tandem operator`: run the kopf operator, or print/write the generated CRD and dashboards."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -23,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="operator_command")
     crd = sub.add_parser("crd", help="print the InferenceService CRD generated from the typed spec")
     crd.add_argument("--write", action="store_true", help="write crds/ and the chart's copy instead of printing")
+    dash = sub.add_parser("dashboards", help="print the Grafana dashboards the chart ships (JSON by file name)")
+    dash.add_argument("--write", action="store_true", help="write charts/tandem/dashboards/ instead of printing")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -34,6 +37,15 @@ def main(args: argparse.Namespace) -> int:
                 print(f"wrote {path}")
         else:
             sys.stdout.write(crd.crd_yaml())
+        return 0
+    if args.operator_command == "dashboards":
+        from tandem.operator import dashboards
+
+        if args.write:
+            for path in dashboards.write():
+                print(f"wrote {path}")
+        else:
+            sys.stdout.write(json.dumps(dashboards.dashboards(), indent=2, sort_keys=True) + "\n")
         return 0
     return run(args)
 

@@ -1,10 +1,13 @@
 """The Helm chart charts/tandem, rendered and linted with Helm's Go SDK (helm-python-sdk): every object is valid
 for Kubernetes, the operator Deployment runs the operator's real CLI, RBAC is exactly what the operator uses,
-values.schema.json rejects bad values, and the chart ships the generated CRD."""
+values.schema.json rejects bad values, the chart ships the generated CRD and dashboards, and its monitors
+select what the operator renders."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,8 +17,9 @@ import pytest
 import yaml
 
 from tandem.operator import main as operator_main
+from tandem.operator import render as operator_render
 from tandem.operator.kube import PLURALS
-from tandem.operator.spec import GROUP, PLURAL
+from tandem.operator.spec import GROUP, PLURAL, parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "tandem"
@@ -38,6 +42,10 @@ CUSTOM = {
     "imagePullSecrets": [{"name": "regcred"}],
     "serviceAccount": {"create": False, "name": "tandem-ops"},
     "clusterDomain": "corp.example",
+    "podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prometheus"}},
+    "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"},
+                       "waitingQueueHigh": {"threshold": 20, "for": "3m", "severity": "critical"}},
+    "dashboards": {"enabled": True, "folder": "LLM serving", "namespace": "monitoring"},
 }
 VALUE_SETS = {"default": {}, "custom": CUSTOM}
 
@@ -51,12 +59,16 @@ NAMESPACED_GRANTS = {
     ("apps", "deployments"): WRITE,
     ("", "services"): WRITE,
     ("", "configmaps"): WRITE,
+    ("", "pods"): {"get", "list"},
     ("policy", "poddisruptionbudgets"): WRITE,
     ("monitoring.coreos.com", "servicemonitors"): WRITE,
     ("monitoring.coreos.com", "podmonitors"): WRITE,
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
+# Kinds from the monitoring.coreos.com CRDs, which kubernetes_validate has no schema for (checked field by field).
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+DASHBOARD_FILES = sorted((CHART / "dashboards").glob("*.json"))
 CLUSTER_GRANTS = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("", "namespaces"): {"get", "list", "watch"},
@@ -123,28 +135,34 @@ def parse_operator_cli(docs: list[dict]) -> argparse.Namespace:
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_objects_valid_for_kubernetes(chart, value_set):
-    """Every rendered object except the ServiceMonitor (a CRD kind, checked below) passes the strict
-    Kubernetes 1.33 schema, and the expected kinds are all there."""
+    """Every rendered object except the monitoring kinds (CRD kinds, checked below) passes the strict
+    Kubernetes 1.33 schema, and the expected kinds are all there; monitors, rules and dashboards only
+    when enabled."""
     docs = render(chart, VALUE_SETS[value_set])
     for doc in docs:
-        if doc["kind"] != "ServiceMonitor":
+        if doc["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(doc, "1.33", strict=True)
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ClusterRole", "ClusterRoleBinding"} <= kinds
     assert ("ServiceAccount" in kinds) == (value_set == "default")
-    assert ("ServiceMonitor" in kinds) == (value_set == "custom")
+    for kind in (*CRD_KINDS, "ConfigMap"):
+        assert (kind in kinds) == (value_set == "custom"), kind
 
 
 def test_names_fit_with_longest_release_name(chart):
     """With a 53-character release name every object name and label value stays within 63 characters."""
     helm.validate_release_name(LONG_RELEASE)
     docs = render(chart, CUSTOM, name=LONG_RELEASE)
-    assert len(docs) == 9  # Deployment, Service, ServiceMonitor, ClusterRole(Binding), 2x Role(Binding)
+    # Deployment, Service, ServiceMonitor, ClusterRole(Binding), 2x Role(Binding), PodMonitor, PrometheusRule,
+    # and a ConfigMap per dashboard.
+    assert len(docs) == 11 + len(DASHBOARD_FILES)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] not in ("Role", "RoleBinding")}
+    assert len(names) == len(docs) - 4
     for doc in docs:
         meta = doc["metadata"]
         assert len(meta["name"]) <= 63, meta["name"]
         assert all(len(value) <= 63 for value in meta["labels"].values()), meta["labels"]
-        if doc["kind"] != "ServiceMonitor":
+        if doc["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(doc, "1.33", strict=True)
     assert one(docs, "Deployment")["metadata"]["labels"]["app.kubernetes.io/instance"] == LONG_RELEASE
 
@@ -277,8 +295,9 @@ def test_service_monitor(custom_docs, default_docs):
     assert monitor["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    # honorLabels: the autoscaler's series keep their own namespace and service labels.
     assert monitor["spec"]["endpoints"] == [{"port": service["spec"]["ports"][0]["name"], "path": "/metrics",
-                                             "interval": "15s"}]
+                                             "interval": "15s", "honorLabels": True}]
 
 
 def test_rbac_can_be_left_out(chart):
@@ -311,6 +330,18 @@ def test_lint_clean(value_set):
     ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
     ({"operator": {"serviceMonitor": {"interval": "often"}}}, "/operator/serviceMonitor/interval"),
     ({"serviceAccount": {"create": "yes"}}, "/serviceAccount/create"),
+    ({"podMonitor": {"enabled": "yes"}}, "/podMonitor/enabled"),
+    ({"podMonitor": {"interval": "often"}}, "/podMonitor/interval"),
+    ({"prometheusRule": {"waitingQueueHigh": {"threshold": -1}}}, "/prometheusRule/waitingQueueHigh/threshold"),
+    ({"prometheusRule": {"waitingQueueHigh": {"threshold": "many"}}}, "/prometheusRule/waitingQueueHigh/threshold"),
+    ({"prometheusRule": {"kvTransferFailures": {"severity": "page"}}}, "/prometheusRule/kvTransferFailures/severity"),
+    ({"prometheusRule": {"autoscalerUnhealthy": {"for": "soon"}}}, "/prometheusRule/autoscalerUnhealthy/for"),
+    ({"prometheusRule": {"waitingQueueGrowing": {"after": "5m"}}}, "after"),
+    ({"dashboards": {"enabled": 1}}, "/dashboards/enabled"),
+    ({"dashboards": {"label": "grafana dashboard"}}, "/dashboards/label"),
+    ({"dashboards": {"labelValue": 1}}, "/dashboards/labelValue"),
+    ({"dashboards": {"namespace": "Monitoring"}}, "/dashboards/namespace"),
+    ({"dashboards": {"folders": "tandem"}}, "folders"),
     ({"replicaCount": 2}, "replicaCount"),
     ({"operator": {"replicas": 2}}, "replicas"),
 ])
@@ -330,3 +361,115 @@ def test_chart_ships_the_generated_crd(chart):
     doc = yaml.safe_load(crd["data"])
     assert doc["kind"] == "CustomResourceDefinition" and doc["metadata"]["name"] == f"{PLURAL}.{GROUP}"
     kubernetes_validate.validate(doc, "1.33", strict=True)
+
+
+def dashboard_configmaps(docs: list[dict]) -> dict[str, dict]:
+    """File name -> the ConfigMap carrying it."""
+    found = {}
+    for configmap in of_kind(docs, "ConfigMap"):
+        assert configmap["metadata"]["labels"]["app.kubernetes.io/component"] == "dashboards"
+        (file_name,) = configmap["data"]
+        found[file_name] = configmap
+    return found
+
+
+def test_dashboard_configmaps(custom_docs, default_docs):
+    """Off by default; when enabled one ConfigMap per generated dashboard, labelled for Grafana's sidecar, in
+    the namespace and folder from values, holding the file byte for byte (valid dashboard JSON)."""
+    assert not of_kind(default_docs, "ConfigMap")
+    configmaps = dashboard_configmaps(custom_docs)
+    assert sorted(configmaps) == [p.name for p in DASHBOARD_FILES] and len(DASHBOARD_FILES) == 3
+    for path in DASHBOARD_FILES:
+        meta = configmaps[path.name]["metadata"]
+        assert meta["labels"]["grafana_dashboard"] == "1"
+        assert meta["annotations"] == {"grafana_folder": "LLM serving"}
+        assert meta["namespace"] == "monitoring"
+        text = configmaps[path.name]["data"][path.name]
+        assert text == path.read_text()
+        assert json.loads(text)["uid"] == path.stem
+
+
+def test_dashboard_configmaps_sidecar_label_is_configurable(chart):
+    """Another sidecar label and value; no folder annotation; the release namespace by default."""
+    docs = render(chart, {"dashboards": {"enabled": True, "label": "example.com/dashboard", "labelValue": "tandem"}})
+    configmaps = dashboard_configmaps(docs)
+    assert len(configmaps) == len(DASHBOARD_FILES)
+    for configmap in configmaps.values():
+        meta = configmap["metadata"]
+        assert meta["labels"]["example.com/dashboard"] == "tandem" and "grafana_dashboard" not in meta["labels"]
+        assert "annotations" not in meta and meta["namespace"] == NAMESPACE
+        kubernetes_validate.validate(configmap, "1.33", strict=True)
+
+
+def inference_service(namespace: str) -> operator_render.Instance:
+    body = yaml.safe_load((REPO / "examples" / "minimal.yaml").read_text())
+    name = body["metadata"]["name"]
+    return operator_render.Instance(name=name, namespace=namespace, uid="uid", spec=parse_spec(name, body["spec"]))
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions with In) selects these labels."""
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+    return (selector["matchLabels"].items() <= labels.items()
+            and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])))
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pod_monitor_scrapes_what_the_operator_renders(chart, value_set):
+    """The PodMonitor (off by default) selects the prefill, decode and router pods the operator renders in
+    every watched namespace, and not the operator's own pod; it scrapes their container port `metrics` and
+    turns the InferenceService label into `service`."""
+    docs = render(chart, VALUE_SETS[value_set])
+    if value_set == "default":
+        assert not of_kind(docs, "PodMonitor")
+        docs = render(chart, {"podMonitor": {"enabled": True}})
+    monitor = one(docs, "PodMonitor")
+    spec = monitor["spec"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    watched = CUSTOM["operator"]["watchNamespaces"] if value_set == "custom" else []
+    assert spec["namespaceSelector"] == ({"matchNames": watched} if watched else {"any": True})
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == ("30s" if value_set == "custom" else "15s")
+    label = f"{GROUP}/inference-service"
+    # Prometheus' name for a pod label: every character outside [a-zA-Z0-9_] becomes "_".
+    source = "__meta_kubernetes_pod_label_" + re.sub(r"\W", "_", label)
+    assert endpoint["relabelings"] == [{"sourceLabels": [source], "targetLabel": "service"}]
+    inst = inference_service(watched[0] if watched else "default")
+    workloads = [o for o in operator_render.render_all(inst) if o["kind"] in ("StatefulSet", "Deployment")]
+    assert len(workloads) == 3
+    for workload in workloads:
+        template = workload["spec"]["template"]
+        assert selects(spec["selector"], template["metadata"]["labels"]), workload["metadata"]["name"]
+        assert template["metadata"]["labels"][label] == inst.name
+        ports = {p["name"] for c in template["spec"]["containers"] for p in c["ports"]}
+        assert endpoint["port"] in ports, workload["metadata"]["name"]
+    operator_pod = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert not selects(spec["selector"], operator_pod)
+
+
+def test_prometheus_rule(chart, custom_docs, default_docs):
+    """The PrometheusRule (off by default) has every alert with a severity, a summary and a description;
+    thresholds, durations and severities come from values, and Prometheus' own templates survive Helm."""
+    assert not of_kind(default_docs, "PrometheusRule")
+    rule = one(custom_docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert set(alerts) == {"TandemKVTransferFailures", "TandemBootstrapFailures", "TandemWaitingQueueHigh",
+                           "TandemWaitingQueueGrowing", "TandemAutoscalerUnhealthy"}
+    for alert in alerts.values():
+        assert set(alert) == {"alert", "expr", "for", "labels", "annotations"}
+        assert alert["labels"]["severity"] in {"critical", "warning", "info"}
+        assert set(alert["annotations"]) == {"summary", "description"}
+        assert "{{ $labels." in alert["annotations"]["description"]
+    high = alerts["TandemWaitingQueueHigh"]
+    assert high["expr"] == "sum by (namespace, service, role) (tandem_num_requests_waiting) > 20"
+    assert (high["for"], high["labels"]["severity"]) == ("3m", "critical")
+    assert "more than 20 waiting requests for 3m" in high["annotations"]["description"]
+    assert "deriv(tandem_num_requests_waiting[10m])" in alerts["TandemWaitingQueueGrowing"]["expr"]
+    assert "increase(tandem_kv_transfer_failures_total[5m])" in alerts["TandemKVTransferFailures"]["expr"]
+    unhealthy = alerts["TandemAutoscalerUnhealthy"]
+    assert unhealthy["expr"] == "min by (namespace, service, pool) (tandem_autoscaler_healthy) == 0"
+    assert (unhealthy["for"], unhealthy["labels"]["severity"]) == ("10m", "warning")

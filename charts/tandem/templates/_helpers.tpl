@@ -9,7 +9,8 @@ Expand the name of the chart.
 Create a default fully qualified app name.
 We truncate at 63 chars because some Kubernetes name fields are limited to this (by the DNS naming spec).
 If release name contains chart name it will be used as a full name.
-Every object of this chart is named exactly this (kinds differ), so no suffix can push a name past 63.
+Every object of this chart is named exactly this (kinds differ), so no suffix can push a name past 63;
+the dashboard ConfigMaps, the one exception, cut it shorter to fit their suffix.
 */}}
 {{- define "tandem.fullname" -}}
 {{- if .Values.fullnameOverride }}
@@ -91,7 +92,8 @@ Image references; an empty tag means the chart's appVersion.
 {{/*
 RBAC rules for what the operator reads and writes inside a watched namespace: InferenceServices and their
 status (kopf keeps finalizers and handler progress on the object), the kinds it renders
-(tandem.operator.kube.PLURALS) and the Events it posts.
+(tandem.operator.kube.PLURALS), the Events it posts, and the pools' pods the autoscaler reads (to find and
+scrape the ready servers).
 */}}
 {{- define "tandem.rbac.namespacedRules" -}}
 - apiGroups: ["tandem.dev"]
@@ -111,6 +113,9 @@ status (kopf keeps finalizers and handler progress on the object), the kinds it 
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
