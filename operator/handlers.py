@@ -19,6 +19,7 @@ import kopf
 from tandem.operator import render
 from tandem.operator.kube import PLURALS, ApiException, Kube, up_to_date
 from tandem.operator.metrics import DRIFT_CORRECTIONS, RECONCILE_SECONDS, RECONCILES
+from tandem.operator.scaler import Autoscaler
 from tandem.operator.schema import SpecError
 from tandem.operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec
 from tandem.operator.status import Observed, compute_status, invalid_status
@@ -45,10 +46,22 @@ def _now() -> str:
 
 
 def _instance(owner: dict) -> render.Instance:
-    """Typed instance of an InferenceService body; SpecError when its spec can never work."""
+    """Typed instance of an InferenceService body; SpecError when its spec can never work. With
+    autoscaling on, each pool's size and drain are the autoscaler's, kept in status."""
     meta = owner["metadata"]
-    return render.Instance(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
-                           spec=parse_spec(meta["name"], dict(owner.get("spec") or {})), defaults=DEFAULTS)
+    spec = parse_spec(meta["name"], dict(owner.get("spec") or {}))
+    replicas, draining = {}, set()
+    if spec.autoscaling.enabled:
+        status = owner.get("status") or {}
+        for pool in render.POOLS:
+            bounds = getattr(spec, pool)
+            pool_status = status.get(pool) or {}
+            desired = pool_status.get("desiredReplicas", bounds.replicas) if status.get("observedGeneration") else bounds.replicas
+            replicas[pool] = max(bounds.min_replicas, min(bounds.max_replicas, desired))
+            if pool_status.get("draining"):
+                draining.add(pool)
+    return render.Instance(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"], spec=spec,
+                           defaults=DEFAULTS, replicas=replicas, draining=frozenset(draining))
 
 
 def _owned(kube: Kube, inst_ns: str, uid: str, api_version: str, kind: str) -> list[dict]:
@@ -200,6 +213,63 @@ def _on_owned_event(type, body) -> None:
 for _api_version, _kind in CHILD_KINDS:
     kopf.on.event(_api_version, PLURALS[_api_version, _kind], labels=MANAGED,
                   id=f"owned-{PLURALS[_api_version, _kind]}")(on_owned_event)
+
+
+# --------------------------------------------------------------------------------------------- autoscaler
+
+
+def _list_pods(namespace: str, statefulset: str) -> list[dict]:
+    pool = statefulset.rpartition("-")[2]
+    instance = statefulset[: -len(pool) - 1]
+    selector = {"app.kubernetes.io/instance": instance, "app.kubernetes.io/component": pool}
+    return Kube().list_pods(namespace, ",".join(f"{k}={v}" for k, v in selector.items()))
+
+
+AUTOSCALER = Autoscaler(_list_pods, time.time)
+
+
+def _autoscaling_on(spec, **_) -> bool:
+    return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="autoscaler", when=_autoscaling_on, cancellation_timeout=30)
+def autoscale(stopped, meta, **_) -> None:
+    """Every spec.autoscaling.intervalSeconds: sample both pools, decide, apply the new sizes.
+    kopf stops this when autoscaling is turned off or the InferenceService goes."""
+    namespace, name = meta["namespace"], meta["name"]
+    try:
+        while not stopped:
+            interval = autoscale_once(namespace, name)
+            stopped.wait(interval)
+    finally:
+        AUTOSCALER.forget(namespace, name)
+
+
+def autoscale_once(namespace: str, name: str) -> float:
+    """One autoscaler tick for one InferenceService; returns the seconds until the next."""
+    with _LOCKS[namespace, name]:
+        kube = Kube()
+        owner = kube.get_custom(GROUP, VERSION, PLURAL, namespace, name)
+        status = (owner or {}).get("status") or {}
+        if owner is None or status.get("phase") == "Failed" or not status.get("observedGeneration"):
+            return 5.0  # gone, failed or not reconciled yet: nothing to scale
+        if status.get("observedGeneration") != owner["metadata"].get("generation"):
+            return 1.0  # a newer spec is waiting for its reconcile
+        try:
+            inst = _instance(owner)
+        except SpecError:
+            return 5.0
+        if not inst.spec.autoscaling.enabled:
+            return 5.0
+        changes = AUTOSCALER.tick(inst, status)
+        owner["status"] = status
+        for change in changes:
+            kopf.info(owner, reason=change.reason, message=change.message)
+        if changes:
+            _reconcile(kube, owner)  # new sizes: the worker list and the StatefulSets
+        else:
+            refresh_status(kube, owner, inst, status["observedGeneration"])
+        return float(inst.spec.autoscaling.interval_seconds)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)

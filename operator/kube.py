@@ -154,6 +154,11 @@ class Kube:
         path = collection_path(api_version, PLURALS[api_version, kind], namespace)
         return self.request("GET", path, query={"labelSelector": label_selector}).get("items", [])
 
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict]:
+        """Pods are read, never written (the autoscaler reads readiness and addresses)."""
+        return self.request("GET", collection_path("v1", "pods", namespace),
+                            query={"labelSelector": label_selector}).get("items", [])
+
     # ----------------------------------------------------------------------------------- discovery
 
     def served_kinds(self, api_version: str) -> set[str]:

@@ -49,7 +49,8 @@ class Defaults:
 @dataclass(frozen=True)
 class Instance:
     """One InferenceService as the renderers see it: identity, typed spec, operator defaults, and
-    the replicas each pool should run (the spec's, or the autoscaler's decision)."""
+    the replicas each pool should run (the spec's, or the autoscaler's decision), and the pools
+    whose highest-ordinal pod is draining: still running, no longer in the router's worker list."""
 
     name: str
     namespace: str
@@ -57,12 +58,18 @@ class Instance:
     spec: InferenceServiceSpec
     defaults: Defaults = Defaults()
     replicas: dict[str, int] = field(default_factory=dict)
+    draining: frozenset[str] = frozenset()
 
     def pool(self, pool: str) -> PoolSpec:
         return getattr(self.spec, pool)
 
     def pool_replicas(self, pool: str) -> int:
+        """Servers the router routes to."""
         return self.replicas.get(pool, self.pool(pool).replicas)
+
+    def statefulset_replicas(self, pool: str) -> int:
+        """Pods that run: the routed servers plus a draining one."""
+        return self.pool_replicas(pool) + (pool in self.draining)
 
     def pool_name(self, pool: str) -> str:
         return f"{self.name}-{pool}"
@@ -240,7 +247,7 @@ def render_statefulset(inst: Instance, pool: str) -> dict:
         "metadata": _metadata(inst, inst.pool_name(pool), pool),
         "spec": {
             "serviceName": inst.pool_name(pool),
-            "replicas": inst.pool_replicas(pool),
+            "replicas": inst.statefulset_replicas(pool),
             # Servers are independent: start and stop them together, not one by one.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},

@@ -103,10 +103,9 @@ def prefill_load(pods: list[PodSignals], scaling, tokens_per_second: float | Non
     per = scaling.waiting_per_replica
     if scaling.queue_seconds_per_replica and tokens_per_second:
         capacity = scaling.queue_seconds_per_replica * tokens_per_second
-        return PoolLoad(tokens / capacity, f"queued prompt tokens {tokens:g} over {capacity:.0f} per server "
-                        f"({scaling.queue_seconds_per_replica:g} s at {tokens_per_second:.0f} tokens/s)", values)
-    return PoolLoad(queued / per, f"waiting {queued:g} over target {per * max(len(pods), 1):g} ({per:g} per server)",
-                    values)
+        return PoolLoad(tokens / capacity, f"queued prompt tokens {tokens:g} over {capacity * len(pods):.0f} "
+                        f"({scaling.queue_seconds_per_replica:g} s at {tokens_per_second:.0f} tokens/s per server)", values)
+    return PoolLoad(queued / per, f"waiting {queued:g} over target {per * max(len(pods), 1):g}", values)
 
 
 def decode_load(pods: list[PodSignals], scaling) -> PoolLoad:
@@ -118,7 +117,5 @@ def decode_load(pods: list[PodSignals], scaling) -> PoolLoad:
     by_kv, by_queue = usage / scaling.kv_usage_per_replica, queued / scaling.waiting_per_replica
     n = max(len(pods), 1)
     if by_kv >= by_queue:
-        return PoolLoad(by_kv, f"KV usage {usage:.2f} over target {scaling.kv_usage_per_replica * n:.2f} "
-                        f"({scaling.kv_usage_per_replica:g} per server)", values)
-    return PoolLoad(by_queue, f"waiting {queued:g} over target {scaling.waiting_per_replica * n:g} "
-                    f"({scaling.waiting_per_replica:g} per server)", values)
+        return PoolLoad(by_kv, f"KV usage {usage:.2f} over target {scaling.kv_usage_per_replica * n:.2f}", values)
+    return PoolLoad(by_queue, f"waiting {queued:g} over target {scaling.waiting_per_replica * n:g}", values)

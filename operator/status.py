@@ -8,7 +8,11 @@ Condition semantics (each keeps its lastTransitionTime while its status does not
     Ready                        all three of the above
     Progressing                  something is still rolling out or starting
     Degraded                     the spec can never work (phase Failed) or an owned object is missing
-    AutoscalerHealthy            the autoscaler's own health (Unknown while autoscaling is off)
+    AutoscalerHealthy            written by the autoscaler (scaler.py): False while a pool's metrics
+                                 are stale; Unknown while autoscaling is off or before its first sample
+
+The autoscaler's per-pool fields (lastScaling, signals, draining) are its own: they are carried
+over from the previous status here, and `desiredReplicas` is the Instance's routed size.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ def _rollout(obj: dict | None, desired: int) -> tuple[int, int, bool]:
     return pods, ready, current and ready >= desired and updated >= desired and pods == updated
 
 
-def _pool_status(obj: dict | None, desired: int, last_scaling: dict | None) -> tuple[dict, bool, str]:
+AUTOSCALER_FIELDS = ("lastScaling", "signals", "draining")
+
+
+def _pool_status(obj: dict | None, desired: int, autoscaler: dict) -> tuple[dict, bool, str]:
     pods, ready, rolled_out = _rollout(obj, desired)
     status = to_wire(PoolStatus(desired_replicas=desired, replicas=pods, ready_replicas=ready,
                                 ready=f"{ready}/{desired}"))
-    if last_scaling:
-        status["lastScaling"] = last_scaling
+    # Explicit nulls: status is merge-patched, and a field the autoscaler dropped must go.
+    status.update({key: autoscaler.get(key) for key in AUTOSCALER_FIELDS})
     if obj is None:
         return status, False, "StatefulSet missing"
     if desired == 0:
@@ -79,9 +86,11 @@ def compute_status(inst: Instance, generation: int, observed: Observed, previous
     conds = _Conditions(previous.get("conditions", []), generation, now)
     out: dict = {"observedGeneration": generation}
     ready = {}
+    scaling = inst.spec.autoscaling.enabled
     for pool in POOLS:
-        last = (previous.get(pool) or {}).get("lastScaling")
-        out[pool], ready[pool], message = _pool_status(getattr(observed, pool), inst.pool_replicas(pool), last)
+        kept = previous.get(pool) or {}
+        autoscaler = {k: kept.get(k) for k in AUTOSCALER_FIELDS if scaling or k == "lastScaling"}
+        out[pool], ready[pool], message = _pool_status(getattr(observed, pool), inst.pool_replicas(pool), autoscaler)
         conds.set(f"{pool.capitalize()}Ready", ready[pool], "ServersReady" if ready[pool] else "ServersNotReady",
                   message)
     want = inst.spec.router.replicas
@@ -99,9 +108,11 @@ def compute_status(inst: Instance, generation: int, observed: Observed, previous
     missing = [k for k in (*POOLS, "router") if getattr(observed, k) is None]
     conds.set("Degraded", bool(missing), "ObjectsMissing" if missing else "AsExpected",
               f"missing: {', '.join(missing)} (being recreated)" if missing else "")
-    if inst.spec.autoscaling.enabled:
-        conds.set("AutoscalerHealthy", False, "AutoscalerNotRunning",
-                  "this operator version does not scale pools yet; replicas come from the spec")
+    health = conds.previous.get("AutoscalerHealthy")
+    if scaling and health and health.get("reason") != "AutoscalingDisabled":
+        conds.items.append(health)
+    elif scaling:
+        conds.set("AutoscalerHealthy", None, "Starting", "waiting for the first sample of the pools' metrics")
     else:
         conds.set("AutoscalerHealthy", None, "AutoscalingDisabled", "spec.autoscaling.enabled is false")
     out["conditions"] = conds.items

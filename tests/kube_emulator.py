@@ -19,7 +19,11 @@ from pathlib import Path
 
 import kmock
 import kopf
+import kubernetes
+import pytest_asyncio
 import yaml
+
+import tandem.operator.handlers  # noqa: F401  registers the handlers in kopf's default registry
 
 ISVC = kmock.resource("tandem.dev/v1alpha1/inferenceservices")
 STS = kmock.resource("apps/v1/statefulsets")
@@ -157,3 +161,70 @@ def alive(emulator, key) -> dict | None:
 
 def quiet_kopf_logs() -> None:
     logging.getLogger("kopf").setLevel(logging.WARNING)
+
+
+# ------------------------------------------------------------------------------ the operator's cluster
+
+REPO = Path(__file__).resolve().parent.parent
+NS = "default"
+URL = f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/inferenceservices"
+MERGE = {"Content-Type": "application/merge-patch+json"}
+_server = {}
+
+
+@kopf.on.login()
+def _login_to_kmock(**_):
+    """Tests only: connect kopf to this test's KMock server."""
+    return kopf.ConnectionInfo(server=_server["url"], token="test", insecure=True)
+
+
+@pytest_asyncio.fixture()
+async def cluster(monkeypatch):
+    """KMock with the built-in resources, the CRD's resource and the monitoring CRDs, and the
+    operator running against it."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # never a real cluster
+    quiet_kopf_logs()
+    async with StampingEmulator() as emulator, kmock.Server(emulator) as server:
+        declare_resources(emulator, monitoring=True)
+        _server["url"] = str(server.url).rstrip("/")
+        config = kubernetes.client.Configuration()
+        config.host = _server["url"]
+        config.api_key = {"BearerToken": "test"}
+        config.api_key_prefix = {"BearerToken": "Bearer"}
+        kubernetes.client.Configuration.set_default(config)
+        operator = OperatorThread()
+        await operator.start(emulator, "inferenceservices", "statefulsets", "deployments", "services")
+        try:
+            yield emulator
+        finally:
+            await operator.close()
+
+
+def example(name: str) -> dict:
+    body = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    body["metadata"]["namespace"] = NS
+    return body
+
+
+def owned_by(emulator, uid: str) -> dict:
+    """(resource plural, name) -> object, for every live object controlled by `uid`."""
+    return {(key[0].plural, key[2]): obj for key, obj in emulator.objects.items()
+            if not obj.deleted and any(r.get("uid") == uid for r in obj.get("metadata", {}).get("ownerReferences", []))}
+
+
+def events(emulator, reason: str) -> list[dict]:
+    return [o for (r, _, _), o in emulator.objects.items() if r == EVENT and not o.deleted and o.get("reason") == reason]
+
+
+def condition(obj, type_: str) -> dict:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+async def mark_ready(emulator, resource, name: str, replicas: int) -> None:
+    """Be the StatefulSet/Deployment controller: report every pod ready and updated."""
+    obj = emulator.objects[resource, NS, name]
+    status = {"replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas,
+              "observedGeneration": obj["metadata"]["generation"]}
+    plural_path = f"/apis/apps/v1/namespaces/{NS}/{resource.plural}/{name}"
+    resp = await emulator.patch(plural_path, json={"status": status}, headers=MERGE)
+    assert resp.status == 200, await resp.text()

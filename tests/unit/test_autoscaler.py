@@ -157,7 +157,7 @@ def test_prefill_load_by_requests_or_by_queued_tokens():
             server("p-1", 10, waiting=4, queued_prompt_tokens=2000)]
     by_requests = prefill_load(pods, PrefillAutoscaling(), tokens_per_second=None)
     assert by_requests.load == pytest.approx(19 / 4)
-    assert by_requests.detail == "waiting 19 over target 8 (4 per server)"
+    assert by_requests.detail == "waiting 19 over target 8"
     by_tokens = prefill_load(pods, PrefillAutoscaling(queue_seconds_per_replica=2.0), tokens_per_second=1000)
     assert by_tokens.load == pytest.approx(8000 / 2000)
     # Not measured yet: the request count decides.

@@ -73,9 +73,23 @@ def test_invalid_spec_fails_and_keeps_the_pool_conditions():
     assert conds["DecodeReady"] == ("True", "ServersReady")  # the last valid spec's pods keep serving
 
 
-def test_autoscaler_condition_says_it_is_not_running_yet():
-    status = compute_status(inst(autoscaling={"enabled": True}), 1, Observed(), None, T0)
-    assert conditions(status)["AutoscalerHealthy"] == ("False", "AutoscalerNotRunning")
+def test_autoscaler_fields_are_carried_over_while_autoscaling_is_on():
+    scaled = inst(autoscaling={"enabled": True})
+    status = compute_status(scaled, 1, Observed(), None, T0)
+    assert conditions(status)["AutoscalerHealthy"] == ("Unknown", "Starting")
+    assert status["prefill"]["draining"] is None  # explicit null: the merge patch removes an old drain
+    last = {"time": T0, "fromReplicas": 1, "toReplicas": 2, "reason": "scale up 1→2: ..."}
+    drain = {"pod": "svc-decode-1", "since": T0}
+    healthy = {"type": "AutoscalerHealthy", "status": "True", "reason": "MetricsFresh", "message": "",
+               "lastTransitionTime": T0, "observedGeneration": 1}
+    previous = {**status, "conditions": status["conditions"][:-1] + [healthy],
+                "prefill": {**status["prefill"], "lastScaling": last}, "decode": {**status["decode"], "draining": drain}}
+    again = compute_status(scaled, 1, Observed(), previous, T1)
+    assert again["prefill"]["lastScaling"] == last and again["decode"]["draining"] == drain
+    assert conditions(again)["AutoscalerHealthy"] == ("True", "MetricsFresh")
+    off = compute_status(inst(), 2, Observed(), again, T1)
+    assert off["prefill"]["lastScaling"] == last and off["decode"]["draining"] is None
+    assert conditions(off)["AutoscalerHealthy"] == ("Unknown", "AutoscalingDisabled")
 
 
 def test_drift_check_ignores_server_defaults_but_not_changed_values():

@@ -1,0 +1,237 @@
+"""The autoscaler's loop: every interval, per pool, read the ready servers' signals, decide, and
+drain a server before its pod goes.
+
+One `tick` per InferenceService per interval (handlers.py runs it in a kopf daemon):
+
+    1. list the pool's pods; the routed ones are ordinals below status.<pool>.desiredReplicas
+    2. read every ready routed server (and a draining one) from its /metrics or Prometheus
+    3. load in replica units (signals.py) -> Sample -> decide() (autoscaler.py)
+    4. act: scale up at once; to scale down, take the highest ordinal out of the router's worker
+       list (status.<pool>.draining) and lower the StatefulSet only once that server has no
+       request left and the router has had time to reread its list, or the drain timeout passed
+    5. status (desired replicas, signals, last decision, AutoscalerHealthy), events, metrics
+
+The sample history lives in memory (a restarted operator waits a full window before scaling
+down again); what must survive a restart (the desired size, the drain) lives in status.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tandem.operator import render
+from tandem.operator.autoscaler import Policy, Sample, decide
+from tandem.operator.metrics import (AUTOSCALER_DECISIONS, AUTOSCALER_DESIRED, AUTOSCALER_HEALTHY, AUTOSCALER_LOAD,
+                                     AUTOSCALER_REPLICAS)
+from tandem.operator.signals import PodSignals, decode_load, prefill_load, prefill_rate
+from tandem.operator.sources import Pod, PodScraper, PrometheusSource
+
+STALE_INTERVALS = 3  # a ready server not read for this many intervals makes the pool's metrics stale
+UNKNOWN_FRACTION = 0.25  # ... as does more than this fraction of its ready servers unread this time
+RATE_SMOOTHING = 0.3  # weight of a new prefill tokens/s measurement
+
+
+def iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_iso(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+@dataclass
+class PoolTracker:
+    """What the autoscaler remembers about one pool between ticks."""
+
+    history: deque[Sample] = field(default_factory=deque)
+    last: dict[str, PodSignals] = field(default_factory=dict)  # latest reading per server
+    read_at: dict[str, float] = field(default_factory=dict)  # last successful read (or first seen ready)
+    tokens_per_second: float | None = None  # one busy prefill server's measured throughput
+
+    def remember(self, now: float, ready: list[str], reads: dict[str, PodSignals | None]) -> None:
+        for pod in ready:
+            self.read_at.setdefault(pod, now)
+        for pod, signals in reads.items():
+            if signals is None:
+                continue
+            previous = self.last.get(pod)
+            rate = prefill_rate(previous, signals) if previous else None
+            if rate:
+                old = self.tokens_per_second
+                self.tokens_per_second = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
+            self.last[pod], self.read_at[pod] = signals, now
+        for pod in set(self.read_at) - set(ready) - set(reads):
+            self.read_at.pop(pod, None), self.last.pop(pod, None)
+
+    def add(self, sample: Sample, keep: float) -> list[Sample]:
+        self.history.append(sample)
+        while self.history and self.history[0].time < sample.time - keep:
+            self.history.popleft()
+        return list(self.history)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a tick did to a pool, for the event and the metrics."""
+
+    pool: str
+    reason: str  # event reason: ScaledUp, ScalingDown, ScaledDown
+    message: str
+    direction: str | None  # up|down for a replica decision, None for a finished drain
+
+
+def _ready(pod: dict) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def metrics_url(pod: dict) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    ports = [p for c in pod.get("spec", {}).get("containers", []) for p in c.get("ports", []) if p.get("name") == "metrics"]
+    port = ports[0]["containerPort"] if ports else render.METRICS_PORT
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/metrics"
+
+
+class Autoscaler:
+    """Ticks InferenceServices. `list_pods(namespace, statefulset)` returns the pods' bodies."""
+
+    def __init__(self, list_pods: Callable[[str, str], list[dict]], clock: Callable[[], float]):
+        self.list_pods, self.clock = list_pods, clock
+        self.trackers: dict[tuple[str, str, str], PoolTracker] = {}
+        self.scraper = PodScraper()
+
+    def forget(self, namespace: str, name: str) -> None:
+        for key in [k for k in self.trackers if k[:2] == (namespace, name)]:
+            del self.trackers[key]
+
+    def tick(self, inst: render.Instance, status: dict) -> list[Change]:
+        """One interval for both pools of `inst`. Updates `status` in place (desiredReplicas,
+        draining, signals, lastScaling, the AutoscalerHealthy condition) and returns the changes."""
+        scaling = inst.spec.autoscaling
+        source = PrometheusSource(scaling.prometheus.url) if scaling.prometheus.url else self.scraper
+        now = self.clock()
+        changes, health = [], []
+        for pool in render.POOLS:
+            pool_status = status.setdefault(pool, {})
+            change, problem = self._pool(inst, pool, pool_status, source, now)
+            changes += change
+            health.append(problem or f"{pool}: {pool_status.get('signals', {}).get('servers', 0)} server(s) read")
+            labels = (inst.namespace, inst.name, pool)
+            AUTOSCALER_DESIRED.labels(*labels).set(pool_status["desiredReplicas"])
+            AUTOSCALER_REPLICAS.labels(*labels).set(pool_status["desiredReplicas"] + bool(pool_status.get("draining")))
+            AUTOSCALER_HEALTHY.labels(*labels).set(0 if problem else 1)
+            for c in change:
+                if c.direction:
+                    AUTOSCALER_DECISIONS.labels(*labels, c.direction).inc()
+        stale = [h for h in health if "stale" in h]
+        _set_health(status, not stale, "; ".join(stale or health), iso(now))
+        return changes
+
+    def _pool(self, inst: render.Instance, pool: str, pool_status: dict, source, now: float):
+        scaling = getattr(inst.spec.autoscaling, pool)
+        interval = inst.spec.autoscaling.interval_seconds
+        key = (inst.namespace, inst.name, pool)
+        tracker = self.trackers.setdefault(key, PoolTracker())
+        current = inst.pool_replicas(pool)
+        pool_status["desiredReplicas"] = current
+        sts = inst.pool_name(pool)
+        pods = {int(m.group(1)): p for p in self.list_pods(inst.namespace, sts)
+                if (m := re.fullmatch(rf"{re.escape(sts)}-(\d+)", p["metadata"]["name"]))}
+        ready = {pods[i]["metadata"]["name"]: pods[i] for i in range(current) if i in pods and _ready(pods[i])}
+        drain = pool_status.get("draining")
+        targets = dict(ready)
+        if drain and drain["pod"] in {p["metadata"]["name"] for p in pods.values()}:
+            targets[drain["pod"]] = next(p for p in pods.values() if p["metadata"]["name"] == drain["pod"])
+        readable = [Pod(name, url) for name, body in targets.items() if (url := metrics_url(body))]
+        reads = source.read(inst.namespace, readable)
+        tracker.remember(now, list(ready), reads)
+        known = [s for name, s in reads.items() if s is not None and name in ready]
+        problem = _staleness(pool, tracker, ready, reads, now, interval)
+
+        if not known:
+            pool_status["signals"] = None
+            return [], problem or (None if not ready else f"{pool}: metrics stale, no ready server could be read")
+        load = (prefill_load(known, scaling, tracker.tokens_per_second) if pool == "prefill"
+                else decode_load(known, scaling))
+        AUTOSCALER_LOAD.labels(*key).set(load.load)
+        pool_status["signals"] = {"time": iso(max(s.time for s in known)), "load": round(load.load, 3),
+                                  "servers": len(known), "values": load.values}
+        policy = Policy.from_spec(inst.pool(pool), scaling)
+        keep = max(policy.scale_down_window, policy.stable_window) + policy.stable_window
+        history = tracker.add(Sample(now, load.load, current, load.detail), keep)
+        decision = decide(history, now, current, current - len(ready), policy, problem)
+
+        if drain:
+            if decision.replicas > current:  # load is back: the draining server returns to the router
+                pool_status["draining"] = None
+                return [self._decided(pool_status, pool, current, decision.replicas,
+                                      f"{decision.reason}; {drain['pod']} stops draining", now)], problem
+            finished = _drain_finished(drain, reads.get(drain["pod"]), targets, scaling.drain_timeout_seconds,
+                                       inst.spec.autoscaling.router_settle_seconds, now)
+            if finished:
+                pool_status["draining"] = None
+                return [Change(pool, "ScaledDown", f"{drain['pod']} {finished}; StatefulSet {sts} "
+                               f"{current + 1}→{current} replicas", None)], problem
+            return [], problem
+        if decision.replicas < current:
+            pod = f"{sts}-{current - 1}"
+            pool_status["draining"] = {"pod": pod, "since": iso(now)}
+            return [self._decided(pool_status, pool, current, decision.replicas,
+                                  f"{decision.reason}; draining {pod} (out of the router's worker list)", now,
+                                  "ScalingDown")], problem
+        if decision.replicas > current:
+            return [self._decided(pool_status, pool, current, decision.replicas, decision.reason, now)], problem
+        return [], problem
+
+    @staticmethod
+    def _decided(pool_status: dict, pool: str, before: int, after: int, reason: str, now: float,
+                 event: str = "ScaledUp") -> Change:
+        pool_status["desiredReplicas"] = after
+        pool_status["lastScaling"] = {"time": iso(now), "fromReplicas": before, "toReplicas": after,
+                                      "reason": f"{pool} {reason}"}
+        return Change(pool, event, f"{pool} {reason}", "up" if after > before else "down")
+
+
+def _staleness(pool: str, tracker: PoolTracker, ready: dict, reads: dict, now: float, interval: float) -> str | None:
+    """Why the pool's metrics can't be trusted for a scale-down, or None."""
+    silent = sorted((now - tracker.read_at[p], p) for p in ready if now - tracker.read_at[p] >= STALE_INTERVALS * interval)
+    if silent:
+        age, pod = silent[-1]
+        return f"{pool}: metrics stale, {pod} not read for {age:.0f} s"
+    unknown = [p for p in ready if reads.get(p) is None]
+    if len(unknown) > UNKNOWN_FRACTION * len(ready):
+        return f"{pool}: metrics stale, {len(unknown)} of {len(ready)} ready servers unreadable"
+    return None
+
+
+def _drain_finished(drain: dict, signals: PodSignals | None, targets: dict, timeout: float, settle: float,
+                    now: float) -> str | None:
+    """Why the draining server may go now, or None to keep waiting."""
+    elapsed = now - parse_iso(drain["since"])
+    if drain["pod"] not in targets:
+        return "is gone"
+    if signals is not None and signals.in_flight == 0 and elapsed >= settle:
+        return f"drained after {elapsed:.0f} s"
+    if elapsed >= timeout:
+        left = "unknown" if signals is None else f"{signals.in_flight:g}"
+        return f"drain timed out after {elapsed:.0f} s ({left} requests left)"
+    return None
+
+
+def _set_health(status: dict, healthy: bool, message: str, now: str) -> None:
+    conditions = [c for c in status.get("conditions") or [] if c.get("type") != "AutoscalerHealthy"]
+    old = next((c for c in status.get("conditions") or [] if c.get("type") == "AutoscalerHealthy"), {})
+    value = "True" if healthy else "False"
+    conditions.append({"type": "AutoscalerHealthy", "status": value,
+                       "reason": "MetricsFresh" if healthy else "MetricsStale", "message": message,
+                       "lastTransitionTime": old.get("lastTransitionTime") if old.get("status") == value else now,
+                       "observedGeneration": (status.get("observedGeneration") or 0)})
+    status["conditions"] = conditions
