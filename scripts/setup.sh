@@ -4,15 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian libraries the Mooncake transfer engine (non-CUDA wheel) needs at import time.
+# Debian libraries the Mooncake transfer engine (non-CUDA wheel) needs at import time, and the
+# Prometheus server the dashboard test scrapes a local stack with.
 missing=()
-for pkg in libibverbs1 libnuma1; do
+for pkg in libibverbs1 libnuma1 prometheus; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
