@@ -184,6 +184,12 @@ def cmd_bench_pd(args) -> int:
     return run(args, engine_args)
 
 
+def cmd_bench_autoscale(args) -> int:
+    from tandem.operator.simulate import run
+
+    return run(args)
+
+
 def cmd_export_tokenizer(args) -> int:
     from tandem.server.model.loader import resolve_model
     from tandem.server.tokenizer import export_tokenizer
@@ -280,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     add_config_arguments(bpd)
     bpd.set_defaults(func=cmd_bench_pd)
+
+    from tandem.operator.simulate import SimConfig
+
+    bauto = bench_sub.add_parser("autoscale", help="simulate a ramp, a spike and a quiet period through the "
+                                 "operator's real scaling decision; autoscaled vs fixed pod-minutes and latency")
+    bauto.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bauto.add_argument("--decisions", action="store_true", help="also list every scaling decision with its reason")
+    add_config_arguments(bauto, SimConfig)
+    bauto.set_defaults(func=cmd_bench_autoscale)
 
     exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer files into DIR")
     exp.add_argument("dir")
