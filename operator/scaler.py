@@ -27,7 +27,7 @@ from tandem.operator import render
 from tandem.operator.autoscaler import Policy, Sample, decide
 from tandem.operator.metrics import (AUTOSCALER_DECISIONS, AUTOSCALER_DESIRED, AUTOSCALER_HEALTHY, AUTOSCALER_LOAD,
                                      AUTOSCALER_REPLICAS)
-from tandem.operator.signals import PodSignals, decode_load, prefill_load, prefill_rate
+from tandem.operator.signals import PodSignals, PoolLoad, decode_load, prefill_load, prefill_rate
 from tandem.operator.sources import Pod, PodScraper, PrometheusSource
 
 STALE_INTERVALS = 3  # a ready server not read for this many intervals makes the pool's metrics stale
@@ -51,6 +51,7 @@ class PoolTracker:
     last: dict[str, PodSignals] = field(default_factory=dict)  # latest reading per server
     read_at: dict[str, float] = field(default_factory=dict)  # last successful read (or first seen ready)
     tokens_per_second: float | None = None  # one busy prefill server's measured throughput
+    throughput: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per server, last interval
 
     def remember(self, now: float, ready: list[str], reads: dict[str, PodSignals | None]) -> None:
         for pod in ready:
@@ -59,13 +60,23 @@ class PoolTracker:
             if signals is None:
                 continue
             previous = self.last.get(pod)
+            if previous and signals.time > previous.time:
+                done = signals.computed_prompt_tokens - previous.computed_prompt_tokens
+                self.throughput[pod] = max(done, 0.0) / (signals.time - previous.time)
             rate = prefill_rate(previous, signals) if previous else None
             if rate:
                 old = self.tokens_per_second
                 self.tokens_per_second = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
             self.last[pod], self.read_at[pod] = signals, now
         for pod in set(self.read_at) - set(ready) - set(reads):
-            self.read_at.pop(pod, None), self.last.pop(pod, None)
+            self.read_at.pop(pod, None), self.last.pop(pod, None), self.throughput.pop(pod, None)
+
+    def load(self, pool: str, pods: list[PodSignals], scaling) -> PoolLoad:
+        """The pool's load from these servers' readings (the ones just remembered)."""
+        if pool == "prefill":
+            rates = [self.throughput[p.pod] for p in pods if p.pod in self.throughput]
+            return prefill_load(pods, scaling, self.tokens_per_second, sum(rates) if rates else None)
+        return decode_load(pods, scaling)
 
     def add(self, sample: Sample, keep: float) -> list[Sample]:
         self.history.append(sample)
@@ -159,8 +170,7 @@ class Autoscaler:
         if not known:
             pool_status["signals"] = None
             return [], problem or (None if not ready else f"{pool}: metrics stale, no ready server could be read")
-        load = (prefill_load(known, scaling, tracker.tokens_per_second) if pool == "prefill"
-                else decode_load(known, scaling))
+        load = tracker.load(pool, known, scaling)
         AUTOSCALER_LOAD.labels(*key).set(load.load)
         pool_status["signals"] = {"time": iso(max(s.time for s in known)), "load": round(load.load, 3),
                                   "servers": len(known), "values": load.values}

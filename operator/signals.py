@@ -4,7 +4,9 @@ A server's `/metrics` (server/metrics.py) is read into a PodSignals; a pool's lo
 units comes from its servers' signals and the pool's per-replica targets:
 
     prefill  (waiting + bootstrap queue) / waitingPerReplica, or with queueSecondsPerReplica:
-             queued prompt tokens / (queueSecondsPerReplica x prefill tokens/s of one server)
+             queued prompt tokens / (queueSecondsPerReplica x prefill tokens/s of one server);
+             at least the busy fraction once a server's capacity is measured:
+             prefill tokens/s of the pool / tokens/s of one saturated server
     decode   max(KV usage / kvUsagePerReplica, (waiting + prealloc queue) / waitingPerReplica)
 """
 
@@ -91,21 +93,34 @@ class PoolLoad:
     values: dict[str, float]  # every signal, summed over the servers
 
 
-def prefill_load(pods: list[PodSignals], scaling, tokens_per_second: float | None) -> PoolLoad:
+def prefill_load(pods: list[PodSignals], scaling, tokens_per_second: float | None,
+                 throughput: float | None = None) -> PoolLoad:
     """scaling: the spec's PrefillAutoscaling; tokens_per_second: one busy server's measured
-    prefill throughput (None until measured: the request count decides meanwhile)."""
+    prefill throughput (None until measured: the request count decides meanwhile); throughput:
+    the pool's prefill tokens/s since the last reading.
+
+    A queue only forms once a server is saturated, so the queue alone reads 0 on a pool that is
+    90% busy, and would let it shrink below what it needs. Once the capacity is measured, the
+    load is at least the busy fraction: throughput / one server's capacity."""
     queued = sum(p.waiting + p.bootstrap_queue for p in pods)
     tokens = sum(p.queued_prompt_tokens for p in pods)
     values = {"waiting": sum(p.waiting for p in pods), "bootstrapQueue": sum(p.bootstrap_queue for p in pods),
               "running": sum(p.running for p in pods), "queuedPromptTokens": tokens}
+    busy = PoolLoad(0.0, "", values)
     if tokens_per_second:
         values["prefillTokensPerSecond"] = round(tokens_per_second, 1)
+        if throughput is not None:
+            values["throughputTokensPerSecond"] = round(throughput, 1)
+            busy = PoolLoad(throughput / tokens_per_second, f"prefilling {throughput:.0f} tokens/s, "
+                            f"{tokens_per_second:.0f} per busy server", values)
     per = scaling.waiting_per_replica
     if scaling.queue_seconds_per_replica and tokens_per_second:
         capacity = scaling.queue_seconds_per_replica * tokens_per_second
-        return PoolLoad(tokens / capacity, f"queued prompt tokens {tokens:g} over {capacity * len(pods):.0f} "
-                        f"({scaling.queue_seconds_per_replica:g} s at {tokens_per_second:.0f} tokens/s per server)", values)
-    return PoolLoad(queued / per, f"waiting {queued:g} over target {per * max(len(pods), 1):g}", values)
+        queue = PoolLoad(tokens / capacity, f"queued prompt tokens {tokens:g} over {capacity * len(pods):.0f} "
+                         f"({scaling.queue_seconds_per_replica:g} s at {tokens_per_second:.0f} tokens/s per server)", values)
+    else:
+        queue = PoolLoad(queued / per, f"waiting {queued:g} over target {per * max(len(pods), 1):g}", values)
+    return busy if busy.load > queue.load else queue
 
 
 def decode_load(pods: list[PodSignals], scaling) -> PoolLoad:

@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from tandem.operator.autoscaler import Policy, Sample, decide
 from tandem.operator.scaler import PoolTracker
-from tandem.operator.signals import PodSignals, PoolLoad, decode_load, prefill_load
+from tandem.operator.signals import PodSignals, PoolLoad
 from tandem.operator.spec import AutoscalingSpec, PoolSpec, PrefillAutoscaling
 
 PAGE_SIZE = 16  # tokens per KV page, for the decode servers' page gauges
@@ -417,11 +417,10 @@ class _Cluster:
             read = self._prefill_signals if pool == "prefill" else self._decode_signals
             signals = [read(p, now) for p in pods]
             tracker.remember(now, [s.pod for s in signals], {s.pod: s for s in signals})
+            load = tracker.load(pool, signals, self.scaling[pool])
             if pool == "prefill":
-                load = prefill_load(signals, self.scaling[pool], tracker.tokens_per_second)
                 row.update(prefill_waiting=load.values["waiting"], prefill_load=load.load)
             else:
-                load = decode_load(signals, self.scaling[pool])
                 total = sum(s.kv_pages_total for s in signals)
                 row.update(decode_kv_usage=sum(s.kv_pages_used for s in signals) / total if total else 0.0,
                            decode_queue=load.values["waiting"] + load.values["preallocQueue"], decode_load=load.load)

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from tandem.operator.autoscaler import Decision, Policy, Sample, decide
+from tandem.operator.scaler import PoolTracker
 from tandem.operator.signals import PodSignals, decode_load, prefill_load, prefill_rate
 from tandem.operator.spec import DecodeAutoscaling, PrefillAutoscaling
 from tandem.server.metrics import Metrics
@@ -192,3 +193,19 @@ def test_pools_move_independently():
         decode.step(now, decode_load(d_pods, DecodeAutoscaling()).load)
     assert prefill.replicas > 2 and prefill.changes
     assert decode.changes == [] and decode.replicas == 2
+
+
+def test_a_busy_prefill_pool_without_a_queue_still_reads_as_loaded():
+    """Once a saturated server's throughput is known, the pool's prefill rate counts as load:
+    two servers prefilling 1.5 servers' worth with no queue may not shrink to one."""
+    tracker = PoolTracker()
+    tracker.remember(0, ["p-0"], {"p-0": server("p-0", 0, waiting=4, prompt_tokens=0)})
+    tracker.remember(10, ["p-0"], {"p-0": server("p-0", 10, waiting=4, prompt_tokens=100_000)})  # saturated
+    assert tracker.tokens_per_second == 10_000
+    pods = ["p-0", "p-1"]
+    tracker.remember(20, pods, {"p-0": server("p-0", 20, prompt_tokens=175_000), "p-1": server("p-1", 20)})
+    tracker.remember(30, pods, {"p-0": server("p-0", 30, prompt_tokens=250_000),
+                                "p-1": server("p-1", 30, prompt_tokens=75_000)})
+    load = tracker.load("prefill", list(tracker.last.values()), PrefillAutoscaling())
+    assert load.load == pytest.approx(1.5) and load.values["waiting"] == 0
+    assert load.detail == "prefilling 15000 tokens/s, 10000 per busy server"
