@@ -228,6 +228,8 @@ def _drain_finished(drain: dict, signals: PodSignals | None, targets: dict, time
     elapsed = now - parse_iso(drain["since"])
     if drain["pod"] not in targets:
         return "is gone"
+    if not _ready(targets[drain["pod"]]):
+        return "was not ready (no requests routed to it)"
     if signals is not None and signals.in_flight == 0 and elapsed >= settle:
         return f"drained after {elapsed:.0f} s"
     if elapsed >= timeout:
