@@ -134,7 +134,7 @@ class Autoscaler:
             pool_status = status.setdefault(pool, {})
             change, problem = self._pool(inst, pool, pool_status, source, now)
             changes += change
-            health.append(problem or f"{pool}: {pool_status.get('signals', {}).get('servers', 0)} server(s) read")
+            health.append(problem or f"{pool}: {(pool_status.get('signals') or {}).get('servers', 0)} server(s) read")
             labels = (inst.namespace, inst.name, pool)
             AUTOSCALER_DESIRED.labels(*labels).set(pool_status["desiredReplicas"])
             AUTOSCALER_REPLICAS.labels(*labels).set(pool_status["desiredReplicas"] + bool(pool_status.get("draining")))
@@ -167,9 +167,20 @@ class Autoscaler:
         known = [s for name, s in reads.items() if s is not None and name in ready]
         problem = _staleness(pool, tracker, ready, reads, now, interval)
 
-        if not known:
+        settle = inst.spec.autoscaling.router_settle_seconds
+
+        def finish_drain() -> list[Change]:
+            why = _drain_finished(drain, reads.get(drain["pod"]), targets, scaling.drain_timeout_seconds, settle, now)
+            if not why:
+                return []
+            pool_status["draining"] = None
+            return [Change(pool, "ScaledDown", f"{drain['pod']} {why}; StatefulSet {sts} {current + 1}→{current} "
+                           "replicas", None)]
+
+        if not known:  # nothing to decide on; a drain still ends
             pool_status["signals"] = None
-            return [], problem or (None if not ready else f"{pool}: metrics stale, no ready server could be read")
+            problem = problem or (None if not ready else f"{pool}: metrics stale, no ready server could be read")
+            return (finish_drain() if drain else []), problem
         load = tracker.load(pool, known, scaling)
         AUTOSCALER_LOAD.labels(*key).set(load.load)
         pool_status["signals"] = {"time": iso(max(s.time for s in known)), "load": round(load.load, 3),
@@ -184,13 +195,7 @@ class Autoscaler:
                 pool_status["draining"] = None
                 return [self._decided(pool_status, pool, current, decision.replicas,
                                       f"{decision.reason}; {drain['pod']} stops draining", now)], problem
-            finished = _drain_finished(drain, reads.get(drain["pod"]), targets, scaling.drain_timeout_seconds,
-                                       inst.spec.autoscaling.router_settle_seconds, now)
-            if finished:
-                pool_status["draining"] = None
-                return [Change(pool, "ScaledDown", f"{drain['pod']} {finished}; StatefulSet {sts} "
-                               f"{current + 1}→{current} replicas", None)], problem
-            return [], problem
+            return finish_drain(), problem
         if decision.replicas < current:
             pod = f"{sts}-{current - 1}"
             pool_status["draining"] = {"pod": pod, "since": iso(now)}

@@ -2,7 +2,8 @@
 package, installed by scripts/setup.sh) scraping a local stack: a prefill server, a decode
 server and the smg router (what `tandem demo --keep-running` runs), plus the autoscaler's
 metrics from the real autoscaler ticking over those servers. The autoscaler's Prometheus
-source is checked against its direct scrape on the way."""
+source is checked against its direct scrape, and the chart's alert rules against Prometheus's
+parser, on the way."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tandem.operator.scaler import Autoscaler
 from tandem.operator.sources import Pod, PodScraper, PrometheusSource
 from tandem.operator.spec import parse_spec
 from tandem.server.stack import LocalStack, free_port, http_post
+from test_dashboards import rendered_rules
 
 NAMESPACE, SERVICE = "tandem-test", "smollm2"
 SCRAPE_SECONDS = 1
@@ -165,3 +167,13 @@ def test_prometheus_source_reads_what_the_servers_report(observed_stack):
         assert (a.prompt_tokens, a.kv_pages_total, a.waiting) == (b.prompt_tokens, b.kv_pages_total, b.waiting)
         assert a.prompt_tokens > 0 and 0 <= a.time - b.time < 10
     assert PrometheusSource(prom.url).read("elsewhere", targets) == {p.name: None for p in targets}
+
+
+def test_every_alert_rule_is_valid_promql(observed_stack):
+    """The chart's alert expressions parse and evaluate on a real Prometheus (they need not fire)."""
+    prom, _, _ = observed_stack
+    rules = rendered_rules()
+    assert rules
+    for rule in rules:
+        prom.query(rule["expr"])  # a parse or evaluation error is a failed query
+    assert prom.query("tandem_autoscaler_healthy == 1")  # what TandemAutoscalerUnhealthy watches is there
