@@ -3,7 +3,7 @@
 No Kubernetes, no GPU, no model. A seeded arrival trace (quiet, ramp, plateau, spike, plateau,
 quiet) runs through a queueing model of a prefill pool and a decode pool. Every interval the
 model reports what each routable server's /metrics would say (a PodSignals), the pool's load
-comes from `signals.prefill_load` / `signals.decode_load`, and `autoscaler.decide` sets the
+comes from the operator's `scaler.PoolTracker.load`, and `autoscaler.decide` sets the
 pool's size, as the operator's loop does. The same trace then runs on a fixed deployment sized
 for the peak, for comparison.
 
