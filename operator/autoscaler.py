@@ -1,6 +1,6 @@
 """The autoscaler's decision: a pure function of a pool's load history. No Kubernetes, no I/O.
 
-Load is counted in replica units: 1.0 is one server at its target (`signals.pool_load`). Every
+Load is counted in replica units: 1.0 is one server at its target (signals.py). Every
 interval the operator appends a Sample per pool and asks `decide` for the pool's size:
 
     stable load    time-weighted mean load over the stable window (120 s)       -> desired = ceil(stable load)
@@ -62,9 +62,6 @@ class Decision:
     reason: str
     panicking: bool = False
     stable_load: float = 0.0
-
-    def changes(self, current: int) -> bool:
-        return self.replicas != current
 
 
 def _mean_load(history: Sequence[Sample], end: float, window: float) -> float | None:

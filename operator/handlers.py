@@ -218,11 +218,9 @@ for _api_version, _kind in CHILD_KINDS:
 # --------------------------------------------------------------------------------------------- autoscaler
 
 
-def _list_pods(namespace: str, statefulset: str) -> list[dict]:
-    pool = statefulset.rpartition("-")[2]
-    instance = statefulset[: -len(pool) - 1]
-    selector = {"app.kubernetes.io/instance": instance, "app.kubernetes.io/component": pool}
-    return Kube().list_pods(namespace, ",".join(f"{k}={v}" for k, v in selector.items()))
+def _list_pods(inst: render.Instance, pool: str) -> list[dict]:
+    selector = render.selector_labels(inst, pool)
+    return Kube().list_pods(inst.namespace, ",".join(f"{k}={v}" for k, v in selector.items()))
 
 
 AUTOSCALER = Autoscaler(_list_pods, time.time)

@@ -18,7 +18,6 @@ down again); what must survive a restart (the desired size, the drain) lives in 
 from __future__ import annotations
 
 import datetime
-import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -69,7 +68,8 @@ class PoolTracker:
                 self.tokens_per_second = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
             self.last[pod], self.read_at[pod] = signals, now
         for pod in set(self.read_at) - set(ready) - set(reads):
-            self.read_at.pop(pod, None), self.last.pop(pod, None), self.throughput.pop(pod, None)
+            for memory in (self.read_at, self.last, self.throughput):
+                memory.pop(pod, None)
 
     def load(self, pool: str, pods: list[PodSignals], scaling) -> PoolLoad:
         """The pool's load from these servers' readings (the ones just remembered)."""
@@ -112,9 +112,9 @@ def metrics_url(pod: dict) -> str | None:
 
 
 class Autoscaler:
-    """Ticks InferenceServices. `list_pods(namespace, statefulset)` returns the pods' bodies."""
+    """Ticks InferenceServices. `list_pods(instance, pool)` returns the pool's pods' bodies."""
 
-    def __init__(self, list_pods: Callable[[str, str], list[dict]], clock: Callable[[], float]):
+    def __init__(self, list_pods: Callable[[render.Instance, str], list[dict]], clock: Callable[[], float]):
         self.list_pods, self.clock = list_pods, clock
         self.trackers: dict[tuple[str, str, str], PoolTracker] = {}
         self.scraper = PodScraper()
@@ -154,13 +154,13 @@ class Autoscaler:
         current = inst.pool_replicas(pool)
         pool_status["desiredReplicas"] = current
         sts = inst.pool_name(pool)
-        pods = {int(m.group(1)): p for p in self.list_pods(inst.namespace, sts)
-                if (m := re.fullmatch(rf"{re.escape(sts)}-(\d+)", p["metadata"]["name"]))}
-        ready = {pods[i]["metadata"]["name"]: pods[i] for i in range(current) if i in pods and _ready(pods[i])}
+        pods = {p["metadata"]["name"]: p for p in self.list_pods(inst, pool)}
+        routed = [f"{sts}-{i}" for i in range(current)]
+        ready = {name: pods[name] for name in routed if name in pods and _ready(pods[name])}
         drain = pool_status.get("draining")
         targets = dict(ready)
-        if drain and drain["pod"] in {p["metadata"]["name"] for p in pods.values()}:
-            targets[drain["pod"]] = next(p for p in pods.values() if p["metadata"]["name"] == drain["pod"])
+        if drain and drain["pod"] in pods:
+            targets[drain["pod"]] = pods[drain["pod"]]
         readable = [Pod(name, url) for name, body in targets.items() if (url := metrics_url(body))]
         reads = source.read(inst.namespace, readable)
         tracker.remember(now, list(ready), reads)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# PodSignals field -> the server's metric (counters without their _total suffix).
+# PodSignals field -> the sample name in the server's exposition (and in Prometheus).
 METRICS = {
     "running": "tandem_num_requests_running",
     "waiting": "tandem_num_requests_waiting",
@@ -27,8 +27,8 @@ METRICS = {
     "inflight_queue": "tandem_inflight_queue_requests",
     "kv_pages_used": "tandem_kv_pages_used",
     "kv_pages_total": "tandem_kv_pages_total",
-    "prompt_tokens": "tandem_prompt_tokens",
-    "prefix_hit_tokens": "tandem_prefix_cache_hit_tokens",
+    "prompt_tokens": "tandem_prompt_tokens_total",
+    "prefix_hit_tokens": "tandem_prefix_cache_hit_tokens_total",
 }
 
 
@@ -53,9 +53,10 @@ class PodSignals:
     @classmethod
     def from_text(cls, pod: str, time: float, text: str) -> PodSignals:
         """From Prometheus text exposition; ValueError when it is not a tandem server's."""
-        by_name = {}
+        by_name: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
-            by_name[family.name] = sum(s.value for s in family.samples if s.name in (family.name, family.name + "_total"))
+            for sample in family.samples:
+                by_name[sample.name] = by_name.get(sample.name, 0.0) + sample.value
         missing = [m for m in METRICS.values() if m not in by_name]
         if missing:
             raise ValueError(f"not a tandem server's metrics: {', '.join(missing)} missing")

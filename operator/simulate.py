@@ -59,7 +59,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from tandem.operator.autoscaler import Policy, Sample, decide
 from tandem.operator.scaler import PoolTracker
@@ -587,8 +587,10 @@ def run(args) -> int:
     import json
     import sys
 
+    from tandem.server.cli import config_from_args
+
     try:
-        result = simulate(SimConfig(**{f.name: getattr(args, f.name) for f in fields(SimConfig)}))
+        result = simulate(config_from_args(args, SimConfig))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

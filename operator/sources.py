@@ -67,8 +67,7 @@ class PrometheusSource:
         values: dict[str, dict[str, float]] = {p.name: {} for p in pods}
         try:
             for field, metric in METRICS.items():
-                suffix = "_total" if field in ("prompt_tokens", "prefix_hit_tokens") else ""
-                for pod, value in self._by_pod(f"sum by (pod) ({metric}{suffix}{selector})"):
+                for pod, value in self._by_pod(f"sum by (pod) ({metric}{selector})"):
                     values[pod][field] = value
             # When the pod was last scraped (an instant query's own time is the query's).
             times = dict(self._by_pod(f"max by (pod) (timestamp(tandem_num_requests_waiting{selector}))"))

@@ -116,9 +116,9 @@ def observed_stack(tmp_path_factory):
             inst = render.Instance(SERVICE, NAMESPACE, "uid", spec, replicas={"prefill": 1, "decode": 1})
             by_pool = {"prefill": prefill, "decode": decode}
 
-            def list_pods(namespace, statefulset):
-                server = by_pool[statefulset.rpartition("-")[2]]
-                return [{"metadata": {"name": f"{statefulset}-0"},
+            def list_pods(inst, pool):
+                server = by_pool[pool]
+                return [{"metadata": {"name": f"{inst.pool_name(pool)}-0"},
                          "spec": {"containers": [{"ports": [{"name": "metrics", "containerPort": server.metrics_port}]}]},
                          "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}]
 

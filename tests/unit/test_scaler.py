@@ -16,10 +16,10 @@ class Cluster:
         self.signals: dict[str, dict] = {}
         self.now = 0.0
 
-    def list_pods(self, namespace, statefulset):
+    def list_pods(self, inst, pool):
         return [{"metadata": {"name": name}, "status": {"podIP": "10.0.0.1", "conditions": [
                     {"type": "Ready", "status": "True" if ready else "False"}]}}
-                for name, ready in self.ready.items() if name.startswith(statefulset + "-")]
+                for name, ready in self.ready.items() if name.startswith(inst.pool_name(pool) + "-")]
 
     def read(self, namespace, pods):
         return {p.name: PodSignals(p.name, self.now, kv_pages_total=100, **self.signals.get(p.name, {}))
