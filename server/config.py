@@ -97,6 +97,10 @@ class DisaggConfig:
         "forward pass and transfer)"
     )
     peer_timeout: float = _opt(3.0, "seconds a peer's bootstrap service may stay unreachable before its requests fail")
+    peer_heartbeat_interval: float = _opt(
+        5.0, "decode: seconds between liveness checks of each prefill it is registered with (offline after two "
+        "missed in a row); prefill: how long a leaving server waits for its decode peers to hear it"
+    )
 
     def validate(self) -> None:
         checks = [
@@ -104,6 +108,7 @@ class DisaggConfig:
             ("bootstrap_timeout", self.bootstrap_timeout > 0, "> 0"),
             ("transfer_timeout", self.transfer_timeout > 0, "> 0"),
             ("peer_timeout", self.peer_timeout > 0, "> 0"),
+            ("peer_heartbeat_interval", self.peer_heartbeat_interval > 0, "> 0"),
             ("ib_device", self.kv_transfer_protocol == "rdma" or not self.ib_device, "empty unless --kv-transfer-protocol rdma"),
         ]
         for name, ok, limit in checks:

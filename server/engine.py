@@ -103,10 +103,12 @@ class _Live:
 
 class Engine:
     """`disagg` picks the role: colocated (the default) or a prefill or decode server, whose KV
-    connector listens on (prefill: bootstrap service) or connects from `host`."""
+    connector listens on (prefill: bootstrap service) or connects from `host`. `port`: the
+    server's own gRPC port, which with the advertised host names a decode to its prefill peers
+    (a successor at the same address replaces its predecessor there)."""
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, observer: StatsObserver | None = None,
-                 disagg: DisaggConfig | None = None, host: str = "127.0.0.1"):
+                 disagg: DisaggConfig | None = None, host: str = "127.0.0.1", port: int | None = None):
         config.validate()
         disagg = disagg or DisaggConfig()
         disagg.validate()
@@ -125,7 +127,7 @@ class Engine:
         self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache)
         self.runner = ModelRunner(self.model.module, self.kv_cache, config.attention_backend)
         self._inbox: queue.Queue = queue.Queue()
-        self.connector = self._make_connector(disagg, host)
+        self.connector = self._make_connector(disagg, host, port)
         self.scheduler = Scheduler(self._scheduler_config(), self.memory, keep_kv=self.connector.keep_kv)
         self.connector.attach(self.scheduler)
         self.connector.on_transfer = lambda seconds: self.observer.on_kv_transfer(seconds)
@@ -156,7 +158,7 @@ class Engine:
             new_token_ratio_decay_steps=c.new_token_ratio_decay_steps,
         )
 
-    def _make_connector(self, disagg: DisaggConfig, host: str) -> KVConnector:
+    def _make_connector(self, disagg: DisaggConfig, host: str, port: int | None) -> KVConnector:
         if disagg.role == "colocated":
             return KVConnector()
         advertise = disagg.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname()))
@@ -166,7 +168,8 @@ class Engine:
             return PrefillConnector(disagg, host, advertise, self.kv_layout(), self.kv_cache, self.memory, self._wake)
         from tandem.server.disagg.decode import DecodeConnector
 
-        return DecodeConnector(disagg, advertise, self.kv_layout(), self.kv_cache, self.memory, self._wake)
+        name = f"{advertise}:{port}" if port else None
+        return DecodeConnector(disagg, advertise, self.kv_layout(), self.kv_cache, self.memory, self._wake, name)
 
     def kv_layout(self) -> KVLayout:
         """What a disaggregated peer must share with this engine to exchange KV pages."""
@@ -276,6 +279,14 @@ class Engine:
                 "total_pages": self.memory.num_pages,
             }
         )
+
+    def drain(self) -> None:
+        """The server is shutting down: the KV connector takes no new work from its peers."""
+        self.call(self.connector.drain)
+
+    def drained(self) -> bool:
+        """No request left, and nothing the KV connector must finish or tell its peers first."""
+        return self.call(lambda: not self.scheduler.has_work() and not self._live and self.connector.drained())
 
     def shutdown(self) -> None:
         if not self._stopped.is_set():

@@ -48,6 +48,12 @@ COUNTERS = {
     "tandem_kv_transfer_bytes": ("KV cache bytes sent (prefill) or received (decode) through Mooncake", "kv_transfer_bytes"),
     "tandem_kv_transfer_failures": ("Requests whose KV transfer failed (peer died, timed out, wrong room)", "kv_transfer_failures"),
     "tandem_bootstrap_failures": ("Requests whose two legs never paired (no peer in time, handshake refused)", "bootstrap_failures"),
+    "tandem_peer_handshakes": ("Bootstrap handshakes: made with prefill processes (decode), decode peers registered (prefill)",
+                               "peer_handshakes"),
+    "tandem_peer_rehandshakes": ("Handshakes with a new process at an address that had another (the peer restarted)",
+                                 "peer_rehandshakes"),
+    "tandem_peers_offline": ("Prefill peers marked offline: missed heartbeats, or unreachable while requests waited (decode)",
+                             "peers_offline"),
 }
 
 

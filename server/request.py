@@ -36,6 +36,10 @@ class Bootstrap:
     port: int
     room: int
 
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
 
 @dataclass
 class Request:

@@ -3,7 +3,8 @@ service and Prometheus `/metrics`.
 
 Lifecycle: load the model (nothing listens yet, so clients see UNAVAILABLE) -> serve (health
 SERVING) -> on SIGTERM or SIGINT drain: new requests get UNAVAILABLE, health turns NOT_SERVING,
-in-flight requests get `drain_grace_seconds` to finish, the rest are aborted, exit 0.
+in-flight requests get `drain_grace_seconds` to finish (a prefill also tells its decode peers it
+is leaving; a decode tells its prefill peers when it exits), the rest are aborted, exit 0.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Server:
         disagg = disagg or DisaggConfig()
         self.config = config
         self.state = ServingState()
-        self.engine = Engine(engine_config, observer=None, disagg=disagg, host=config.host)
+        self.engine = Engine(engine_config, observer=None, disagg=disagg, host=config.host, port=config.port)
         model = self.engine.model
         name = config.served_model_name or model.source.name
         self.metrics = Metrics(disagg.role, name)
@@ -114,12 +115,12 @@ class Server:
 
     def _finish_drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_grace_seconds
-        while time.monotonic() < deadline:
-            snap = self.engine.snapshot
-            held = snap.bootstrap_queue + snap.inflight_queue + snap.prealloc_queue + snap.transfer_queue
-            if snap.running + snap.waiting + held == 0:
-                break
-            time.sleep(0.05)
+        try:
+            self.engine.drain()  # a prefill stops taking rooms and tells its decode peers it is leaving
+            while time.monotonic() < deadline and not self.engine.drained():
+                time.sleep(0.05)
+        except RuntimeError:  # the engine has stopped already
+            pass
         self.engine.shutdown()  # aborts whatever is left; their streams end with finish_reason abort
         self.grpc.stop(grace=2.0).wait()
         self.metrics_server[0].shutdown()

@@ -35,6 +35,9 @@ class EngineSnapshot:
     kv_transfer_bytes: int = 0  # KV bytes sent (prefill) or received (decode)
     kv_transfer_failures: int = 0
     bootstrap_failures: int = 0
+    peer_handshakes: int = 0  # decode: handshakes made with prefill processes; prefill: decode peers registered
+    peer_rehandshakes: int = 0  # of those, with a new process at an address that had another (a restart)
+    peers_offline: int = 0  # decode: prefill peers marked offline (missed heartbeats, unreachable)
 
     @property
     def token_usage(self) -> float:

@@ -3,9 +3,21 @@
 A prefill server runs one. A decode server (1) reads its KV layout and Mooncake session
 (`GET /v1/layout`), (2) registers its own KV pool and arrival-record buffer once
 (`POST /v1/peers`), then (3) per request registers the destination pages under the request's
-`bootstrap_room` (`POST /v1/rooms`). It polls room states (`POST /v1/status`) and may cancel a
-room (`POST /v1/rooms/<room>/cancel`). KV itself never passes through here: prefill writes it
-with Mooncake one-sided writes.
+`bootstrap_room` (`POST /v1/rooms`). It polls room states (`POST /v1/status`), may cancel a
+room (`POST /v1/rooms/<room>/cancel`), checks the prefill is alive (`POST /v1/heartbeat`) and
+says goodbye when it shuts down (`POST /v1/peers/leave`). KV itself never passes through here:
+prefill writes it with Mooncake one-sided writes.
+
+Identity: both processes get an instance id on each start. Every answer of this service carries
+the prefill's (`instance`), so a decode sees at once that the process behind an address was
+replaced; a decode peer is known by its stable name (its advertised gRPC address) and instance,
+so a decode restarted at the same address replaces its predecessor, whose rooms fail. A refusal
+names its `reason`: `unknown_peer` (handshake again), `leaving` (this prefill is shutting down),
+`layout` (the two sides can never exchange KV).
+
+Leaving (SIGTERM): the service refuses new peers and rooms no prefill leg has claimed yet, keeps
+answering for the rooms it still serves, and says `leaving: true` in every answer until each
+registered decode has heard it (or stopped asking).
 
 Room states, as the decode side sees them:
     registered    the decode's pages are known, the prefill leg has not arrived
@@ -25,6 +37,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -38,12 +51,29 @@ FINISHED_ROOM_RETENTION_S = 120.0
 ACTIVE = ("registered", "claimed", "queued", "transferring")
 
 
+def new_instance_id() -> str:
+    """A process's identity for its peers: new on every start."""
+    return uuid.uuid4().hex[:12]
+
+
+class PeerRefused(Exception):
+    """A call this service refuses for a reason the caller acts on (`reason`, see the module doc)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class DecodePeer:
-    decode_id: str
+    name: str  # stable across restarts: the decode's advertised gRPC address
+    instance: str  # new on each start of the decode process
     session: str  # Mooncake session host:rpc_port
     kv: KVBuffer
     record_base: int  # address of arrival-record slot 0
+
+    def __str__(self) -> str:
+        return f"{self.name} (instance {self.instance})"
 
 
 @dataclass(frozen=True)
@@ -76,30 +106,84 @@ class Room:
 class RoomTable:
     """Rooms and decode peers, shared by the HTTP threads and the prefill loop (one lock)."""
 
-    def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None):
+    def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None,
+                 instance: str | None = None):
         self.layout = layout
         self.session = session
         self.wake = wake
+        self.instance = instance or new_instance_id()
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}
-        self._peers: dict[str, DecodePeer] = {}
+        self._peers: dict[str, DecodePeer] = {}  # by name: one instance per decode address
+        self.counters = {"peer_handshakes": 0, "peer_rehandshakes": 0}
+        self._leaving_since: float | None = None
+        self._unnotified: set[str] = set()  # decode names not yet told that this prefill is leaving
 
     # -- decode side (HTTP threads) ---------------------------------------------------------------
     def add_peer(self, body: dict) -> DecodePeer:
+        """A decode's handshake. A new instance at a known name replaces its predecessor, whose
+        unfinished rooms fail: the process that registered them is gone."""
         theirs = KVLayout.from_json(body["layout"])
         self.layout.check_compatible(theirs, here="on prefill", there="on decode")
-        peer = DecodePeer(body["decode_id"], body["session"], KVBuffer(body["kv_base"], body["num_pages"]), body["record_base"])
+        peer = DecodePeer(body["decode"], body["decode_instance"], body["session"],
+                          KVBuffer(body["kv_base"], body["num_pages"]), body["record_base"])
         with self._lock:
-            self._peers[peer.decode_id] = peer
-        log.info("decode peer %s registered (Mooncake session %s, %d pages)", peer.decode_id, peer.session, peer.kv.num_pages)
+            if self._leaving_since is not None:
+                raise PeerRefused("leaving", f"prefill instance {self.instance} is shutting down; no new decode peers")
+            old = self._peers.get(peer.name)
+            self._peers[peer.name] = peer
+            if old is not None and old.instance != peer.instance:
+                failed = self._drop_rooms_of(old, f"decode peer {old.name} restarted (instance {old.instance} "
+                                                  f"replaced by {peer.instance})")
+                self.counters["peer_rehandshakes"] += 1
+                log.info("decode peer %s replaces instance %s (%d of its rooms failed); Mooncake session %s, %d pages",
+                         peer, old.instance, failed, peer.session, peer.kv.num_pages)
+            else:
+                self.counters["peer_handshakes"] += 1
+                log.info("decode peer %s registered (Mooncake session %s, %d pages)", peer, peer.session, peer.kv.num_pages)
+        self.wake()
+        return peer
+
+    def remove_peer(self, name: str, instance: str) -> int:
+        """A decode leaving (SIGTERM): forget it and fail its unfinished rooms. Returns their count."""
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None or peer.instance != instance:
+                return 0
+            del self._peers[name]
+            self._unnotified.discard(name)
+            failed = self._drop_rooms_of(peer, f"decode peer {peer.name} is shutting down")
+        log.info("decode peer %s left (%d of its rooms failed)", peer, failed)
+        self.wake()
+        return failed
+
+    def heartbeat(self, name: str, instance: str) -> dict:
+        """A decode checking on this prefill: is its registration still here, is this prefill leaving."""
+        with self._lock:
+            peer = self._peers.get(name)
+            known = peer is not None and peer.instance == instance
+            return {"known": known, "leaving": self._heard(name)}
+
+    def _heard(self, name: str) -> bool:
+        """`name` is being answered now: if this prefill is leaving, that answer tells it so."""
+        self._unnotified.discard(name)
+        return self._leaving_since is not None
+
+    def _peer(self, name: str, instance: str) -> DecodePeer:
+        peer = self._peers.get(name)
+        if peer is None or peer.instance != instance:
+            raise PeerRefused("unknown_peer", f"decode peer {name!r} (instance {instance}) is not registered with prefill "
+                                              f"instance {self.instance} (POST /v1/peers first)")
         return peer
 
     def register(self, body: dict) -> Room:
-        """A decode's destination for one room. Raises KeyError (unknown peer) or ValueError."""
+        """A decode's destination for one room. Raises PeerRefused (unknown peer, leaving) or ValueError."""
         with self._lock:
-            peer = self._peers.get(body["decode_id"])
-            if peer is None:
-                raise KeyError(f"decode peer {body['decode_id']!r} is not registered (POST /v1/peers first)")
+            peer = self._peer(body["decode"], body["decode_instance"])
+            claimed = body["room"] in self._rooms and self._rooms[body["room"]].claimed_by is not None
+            if self._leaving_since is not None and not claimed:
+                raise PeerRefused("leaving", f"prefill instance {self.instance} is shutting down: bootstrap_room "
+                                             f"{body['room']} has no prefill request here and will get none")
             pages, prompt_len = list(body["pages"]), int(body["prompt_len"])
             need = -(-prompt_len // self.layout.page_size)
             if len(pages) != need or not all(0 <= p < peer.kv.num_pages for p in pages):
@@ -129,7 +213,7 @@ class RoomTable:
         self.wake()
         return state
 
-    def status(self, rooms: list[int]) -> dict[str, dict]:
+    def status(self, rooms: list[int], name: str = "") -> dict:
         with self._lock:
             out = {}
             for r in rooms:
@@ -138,7 +222,21 @@ class RoomTable:
                     {"state": room.state, "message": room.message, "code": room.code}
                     if room else {"state": "unknown", "message": "", "code": ""}
                 )
-            return out
+            return {"rooms": out, "leaving": self._heard(name)}
+
+    # -- leaving (the server's drain) -------------------------------------------------------------
+    def leave(self) -> None:
+        """Refuse new peers and unclaimed rooms from now on; tell every registered decode."""
+        with self._lock:
+            if self._leaving_since is None:
+                self._leaving_since = time.monotonic()
+                self._unnotified = set(self._peers)
+        log.info("leaving: telling %d decode peer(s)", len(self._unnotified))
+
+    def unnotified(self) -> list[str]:
+        """Decode peers that have not heard that this prefill is leaving."""
+        with self._lock:
+            return sorted(self._unnotified)
 
     # -- prefill side (engine loop) ---------------------------------------------------------------
     def claim(self, room_id: int, rid: str, prompt_len: int, digest: int) -> Room:
@@ -194,6 +292,16 @@ class RoomTable:
                 elif room.finished_at is not None and now - room.finished_at > FINISHED_ROOM_RETENTION_S:
                     del self._rooms[room.room]
 
+    def _drop_rooms_of(self, peer: DecodePeer, message: str) -> int:
+        """Fail the rooms `peer` registered that no write has started for (a started write ends
+        by itself: it fails, or lands in memory nobody reads). Lock held."""
+        failed = 0
+        for room in self._rooms.values():
+            if room.registration is not None and room.registration.peer is peer and room.state in ("registered", "queued"):
+                self._fail(room, message, "unavailable")
+                failed += 1
+        return failed
+
     def _check_same_request(self, room: Room) -> None:
         reg = room.registration
         if reg.prompt_len != room.prompt_len or reg.digest != room.digest:
@@ -216,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug(fmt, *args)
 
     def _reply(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
+        data = json.dumps({**body, "instance": self.table.instance}).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -237,6 +345,10 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path == "/v1/peers":
                 self.table.add_peer(body)
                 self._reply(200, {"ok": True})
+            elif self.path == "/v1/peers/leave":
+                self._reply(200, {"failed_rooms": self.table.remove_peer(body["decode"], body["decode_instance"])})
+            elif self.path == "/v1/heartbeat":
+                self._reply(200, self.table.heartbeat(body["decode"], body["decode_instance"]))
             elif self.path == "/v1/rooms":
                 room = self.table.register(body)
                 if room.state == "failed":
@@ -244,16 +356,18 @@ class _Handler(BaseHTTPRequestHandler):
                 else:
                     self._reply(200, {"state": room.state})
             elif self.path == "/v1/status":
-                self._reply(200, {"rooms": self.table.status([int(r) for r in body["rooms"]])})
+                self._reply(200, self.table.status([int(r) for r in body["rooms"]], body.get("decode", "")))
             elif self.path.startswith("/v1/rooms/") and self.path.endswith("/cancel"):
                 room_id = int(self.path.split("/")[3])
                 self._reply(200, {"state": self.table.cancel(room_id, body.get("message", "cancelled by the decode side"))})
             else:
                 self._reply(404, {"error": f"no such path {self.path}"})
         except LayoutMismatch as e:
-            self._reply(409, {"error": str(e)})
+            self._reply(409, {"error": str(e), "reason": "layout"})
+        except PeerRefused as e:
+            self._reply(404 if e.reason == "unknown_peer" else 503, {"error": str(e), "reason": e.reason})
         except KeyError as e:
-            self._reply(404, {"error": str(e.args[0]) if e.args else "missing field"})
+            self._reply(400, {"error": f"missing field {e.args[0]!r}"})
         except (ValueError, TypeError) as e:
             self._reply(400, {"error": str(e)})
 
@@ -277,56 +391,79 @@ class BootstrapService:
 
 
 class BootstrapError(RuntimeError):
-    """A bootstrap call failed. `unreachable`: no answer at all (the peer may be dead)."""
+    """A bootstrap call failed. `unreachable`: no answer at all (the peer may be dead);
+    `refused`: nothing listens at the address (no process there can still write KV);
+    `reason`: the service's own refusal reason (see the module doc); `instance`: the answering
+    prefill's instance id, when it answered."""
 
-    def __init__(self, message: str, unreachable: bool = False, conflict: bool = False):
+    def __init__(self, message: str, unreachable: bool = False, refused: bool = False, reason: str = "",
+                 instance: str = ""):
         super().__init__(message)
         self.unreachable = unreachable
-        self.conflict = conflict
+        self.refused = refused
+        self.reason = reason
+        self.instance = instance
+
+    @property
+    def conflict(self) -> bool:
+        """The two sides can never work together (KV layouts differ, or a wrong room)."""
+        return self.reason in ("layout", "conflict")
 
 
 class BootstrapClient:
-    """The decode side's calls to one prefill's bootstrap service."""
+    """The decode side's calls to one prefill's bootstrap service. Every answer is a dict with
+    the prefill's `instance`."""
 
     def __init__(self, host: str, port: int, timeout: float = 5.0):
         self.address = f"{host}:{port}"
         self.base = f"http://{host}:{port}"
         self.timeout = timeout
 
-    def _call(self, path: str, body: dict | None = None) -> dict:
+    def _call(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base + path, data, {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
                 return json.load(r)
         except urllib.error.HTTPError as e:
             try:
-                detail = json.load(e).get("error", "")
+                answer = json.load(e)
             except ValueError:
-                detail = e.reason
-            raise BootstrapError(f"bootstrap service {self.address}: {detail}", conflict=e.code == 409) from None
+                answer = {"error": e.reason}
+            reason = answer.get("reason") or ("conflict" if e.code == 409 else "")
+            raise BootstrapError(f"bootstrap service {self.address}: {answer.get('error', '')}", reason=reason,
+                                 instance=answer.get("instance", "")) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise BootstrapError(f"bootstrap service {self.address} unreachable: {reason}", unreachable=True) from None
+            raise BootstrapError(f"bootstrap service {self.address} unreachable: {reason}", unreachable=True,
+                                 refused=isinstance(reason, ConnectionRefusedError)) from None
 
-    def layout(self) -> tuple[KVLayout, str]:
+    def layout(self) -> dict:
+        """{"layout": KVLayout, "session", "instance"}"""
         body = self._call("/v1/layout")
-        return KVLayout.from_json(body["layout"]), body["session"]
+        return {**body, "layout": KVLayout.from_json(body["layout"])}
 
-    def add_peer(self, decode_id: str, session: str, layout: KVLayout, kv: KVBuffer, record_base: int) -> None:
-        self._call("/v1/peers", {"decode_id": decode_id, "session": session, "layout": layout.to_json(),
-                                 "kv_base": kv.base, "num_pages": kv.num_pages, "record_base": record_base})
+    def add_peer(self, me: dict, session: str, layout: KVLayout, kv: KVBuffer, record_base: int) -> dict:
+        """`me`: {"decode": name, "decode_instance": id}, sent with every call that names the decode."""
+        return self._call("/v1/peers", {**me, "session": session, "layout": layout.to_json(),
+                                        "kv_base": kv.base, "num_pages": kv.num_pages, "record_base": record_base})
 
-    def register(self, room: int, decode_id: str, request_id: str, prompt_len: int, digest: int,
-                 pages: list[int], record_slot: int) -> str:
-        body = self._call("/v1/rooms", {"room": room, "decode_id": decode_id, "request_id": request_id,
-                                        "prompt_len": prompt_len, "digest": digest, "pages": pages,
-                                        "record_slot": record_slot})
-        return body["state"]
+    def register(self, me: dict, room: int, request_id: str, prompt_len: int, digest: int,
+                 pages: list[int], record_slot: int) -> dict:
+        return self._call("/v1/rooms", {**me, "room": room, "request_id": request_id, "prompt_len": prompt_len,
+                                        "digest": digest, "pages": pages, "record_slot": record_slot})
 
     def cancel(self, room: int, message: str) -> str:
         return self._call(f"/v1/rooms/{room}/cancel", {"message": message})["state"]
 
-    def status(self, rooms: list[int]) -> dict[int, dict]:
-        """room -> {"state", "message", "code"}"""
-        return {int(r): v for r, v in self._call("/v1/status", {"rooms": rooms})["rooms"].items()}
+    def status(self, me: dict, rooms: list[int]) -> dict:
+        """{"rooms": {room: {"state", "message", "code"}}, "leaving", "instance"}"""
+        body = self._call("/v1/status", {"decode": me["decode"], "rooms": rooms})
+        return {**body, "rooms": {int(r): v for r, v in body["rooms"].items()}}
+
+    def heartbeat(self, me: dict) -> dict:
+        """{"known": our registration is there, "leaving", "instance"}"""
+        return self._call("/v1/heartbeat", me)
+
+    def leave(self, me: dict, timeout: float) -> dict:
+        return self._call("/v1/peers/leave", me, timeout=timeout)

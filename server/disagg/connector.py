@@ -47,6 +47,14 @@ class KVConnector:
     def has_work(self) -> bool:
         return False
 
+    def drain(self) -> None:
+        """The server is shutting down (SIGTERM): take no new work from peers; the requests in
+        flight go on."""
+
+    def drained(self) -> bool:
+        """Nothing left that the server must finish or tell its peers before it exits."""
+        return True
+
     def idle_wait(self) -> float | None:
         """How long the loop may sleep when the scheduler has nothing to run (None: until woken)."""
         return None

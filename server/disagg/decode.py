@@ -1,14 +1,22 @@
 """DecodeConnector: a decode server's side of disaggregation.
 
-Request path: prealloc (handshake with the prefill's bootstrap service once per peer, reserve a
-slot and pages for the prompt, register them under the request's room) -> transfer (poll the
-request's arrival record; prefill writes it after the KV) -> the scheduler's running batch, with
-the first token, without a forward pass over the prompt.
+Request path: prealloc (handshake with the prefill's bootstrap service once per prefill process,
+reserve a slot and pages for the prompt, register them under the request's room) -> transfer
+(poll the request's arrival record; prefill writes it after the KV) -> the scheduler's running
+batch, with the first token, without a forward pass over the prompt.
+
+Peers: a `_Peer` is this decode's registration with one prefill *process* (its instance id, read
+at the handshake and in every answer). A new instance at the same address, a refusal that says
+the registration is unknown, or a prefill that says it is leaving retires the registration; the
+next request handshakes again. Ready peers get a heartbeat every `--peer-heartbeat-interval`;
+after two missed in a row (or, while requests wait on it, `--peer-timeout` without an answer)
+the peer is offline and the requests waiting on it fail at once (UNAVAILABLE).
 
 Ownership: from reservation on, the request's slot and pages belong to this connector. Pages
 that a live prefill may still write are never reused: when a request ends before its KV arrived,
 its pages stay quarantined until the prefill reports the room finished (done, failed, unknown)
-or is unreachable (a dead process writes nothing), then they are released.
+or is proven gone (another instance answers at its address, or nothing listens there: a prefill
+closes its bootstrap service only after its last write), then they are released.
 """
 
 from __future__ import annotations
@@ -16,39 +24,59 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
-from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError
+from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError, new_instance_id
 from tandem.server.disagg.connector import KVConnector, deadline, end
 from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch, prompt_digest
 from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer
 from tandem.server.memory import KVMemory
-from tandem.server.request import Bootstrap, Request
+from tandem.server.request import Request
 from tandem.server.sampling_params import InvalidRequestError
 
 log = logging.getLogger("tandem.decode")
 
 STATUS_INTERVAL_S = 0.1  # room-state polls per prefill peer while requests wait on it
-PEER_RETRY_S = 5.0  # a failed handshake is retried for requests arriving this much later
+PEER_RETRY_S = 1.0  # a failed handshake is retried for requests arriving this much later
+HEARTBEAT_MISSES = 2  # heartbeats missed in a row that mark a prefill offline
+LEAVE_TIMEOUT_S = 2.0  # on shutdown, how long telling the prefills may take
 FINISHED_ROOM_STATES = ("done", "failed", "unknown")  # no write can be in flight for these
 
 
 @dataclass
 class _Peer:
+    """This decode's registration with one prefill process at one bootstrap address.
+
+    States: connecting (handshake in flight) -> ready (registered with `instance`) -> gone (the
+    registration is void: the prefill restarted, forgot it, or went offline); or connecting ->
+    failed (the handshake failed; requests for the address fail fast for PEER_RETRY_S). A ready
+    peer that says it is `leaving` takes no new rooms but still serves the ones it has."""
+
+    key: tuple[str, int]  # bootstrap (host, port)
     client: BootstrapClient
-    handshake: Future
-    state: str = "connecting"  # connecting | ready | failed
+    handshake: Future  # -> the prefill's answer to our registration
+    state: str = "connecting"
+    instance: str = ""  # the prefill process we registered with
+    leaving: bool = False
     error: str = ""
     code: str = ""
     failed_at: float = 0.0
+    proven_gone: bool = False  # the process can write nothing more (see the module doc)
+    refused: bool = False  # the last failed call found nothing listening
     statuses: dict[int, dict] = field(default_factory=dict)  # room -> latest {"state", "message", "code"}
     status_call: Future | None = None
     last_poll: float = 0.0
     unreachable_since: float | None = None
+    heartbeat: Future | None = None
+    next_heartbeat: float = 0.0
+    missed: int = 0  # heartbeats missed in a row
+
+    def __str__(self) -> str:
+        return f"prefill {self.client.address}" + (f" (instance {self.instance})" if self.instance else "")
 
 
 @dataclass
@@ -59,6 +87,7 @@ class _Pending:
     stage: str = "prealloc"  # prealloc | registering | transfer
     call: Future | None = None
     registered_at: float = 0.0
+    retried: bool = False  # a registration refused by a restarted prefill is retried once
 
 
 @dataclass
@@ -73,21 +102,26 @@ class DecodeConnector(KVConnector):
     role = "decode"
 
     def __init__(self, config: DisaggConfig, advertise_host: str, layout: KVLayout, kv_cache: PagedKVCache,
-                 memory: KVMemory, wake: Callable[[], None]):
+                 memory: KVMemory, wake: Callable[[], None], name: str | None = None):
         super().__init__()
         self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
         self.kv = KVBuffer(self.transfer.register(kv_cache.buffer), kv_cache.num_pages)
         self.records = RecordBuffer(memory.slots.num_slots)  # request slot i receives its record in slot i
         self.transfer.register(self.records.tensor)
-        self.decode_id = f"{self.transfer.session}/{uuid.uuid4().hex[:8]}"
+        # Who we are to the prefills: a stable name (a successor at the same address replaces us)
+        # and this process's instance.
+        self.me = {"decode": name or self.transfer.session, "decode_instance": new_instance_id()}
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-bootstrap-client")
-        self.peers: dict[tuple[str, int], _Peer] = {}
+        self.peers: dict[tuple[str, int], _Peer] = {}  # the current registration per address
+        self.instances: dict[tuple[str, int], str] = {}  # the last prefill instance registered with per address
         self.pending: dict[str, _Pending] = {}
         self.quarantine: list[_Quarantined] = []
-        self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0}
+        self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0,
+                         "peer_handshakes": 0, "peer_rehandshakes": 0, "peers_offline": 0}
         self.kv_bytes_per_page = 2 * layout.num_layers * layout.page_bytes
-        log.info("decode KV connector: Mooncake session %s (%s)", self.transfer.session, config.kv_transfer_protocol)
+        log.info("decode KV connector: %s (instance %s), Mooncake session %s (%s)", self.me["decode"],
+                 self.me["decode_instance"], self.transfer.session, config.kv_transfer_protocol)
 
     def check_request(self, req: Request) -> None:
         if req.bootstrap is None:
@@ -96,62 +130,141 @@ class DecodeConnector(KVConnector):
             )
 
     def add(self, req: Request) -> None:
-        self.pending[req.rid] = _Pending(req, self._peer(req.bootstrap), deadline(self.config.bootstrap_timeout))
+        self.pending[req.rid] = _Pending(req, self._peer(req.bootstrap.address), deadline(self.config.bootstrap_timeout))
 
     # -- peers ------------------------------------------------------------------------------------
-    def _peer(self, b: Bootstrap) -> _Peer:
-        peer = self.peers.get((b.host, b.port))
+    def _peer(self, key: tuple[str, int]) -> _Peer:
+        """The registration to use for a new room at a bootstrap address, handshaking if there is none."""
+        peer = self.peers.get(key)
         if peer is None or (peer.state == "failed" and time.monotonic() - peer.failed_at > PEER_RETRY_S):
-            client = BootstrapClient(b.host, b.port)
-            peer = self.peers[(b.host, b.port)] = _Peer(client, self.pool.submit(self._handshake, client))
+            client = BootstrapClient(*key)
+            peer = self.peers[key] = _Peer(key, client, self.pool.submit(self._handshake, client))
             peer.handshake.add_done_callback(lambda _: self.wake())
         return peer
 
-    def _handshake(self, client: BootstrapClient) -> None:
+    def _handshake(self, client: BootstrapClient) -> dict:
         """On a client thread: check the prefill's layout, then register our KV pool with it."""
-        theirs, _session = client.layout()
+        theirs = client.layout()["layout"]
         self.layout.check_compatible(theirs, here="on decode", there=f"on prefill {client.address}")
-        client.add_peer(self.decode_id, self.transfer.session, self.layout, self.kv, self.records.base)
+        return client.add_peer(self.me, self.transfer.session, self.layout, self.kv, self.records.base)
+
+    def _known_peers(self) -> list[_Peer]:
+        """Current registrations and retired ones that requests or quarantined pages still wait on."""
+        peers = {id(p): p for p in self.peers.values()}
+        peers.update((id(p.peer), p.peer) for p in self.pending.values())
+        peers.update((id(q.peer), q.peer) for q in self.quarantine)
+        return list(peers.values())
 
     def _update_peer(self, peer: _Peer, now: float) -> None:
         if peer.state == "connecting" and peer.handshake.done():
             error = peer.handshake.exception()
             if error is None:
-                peer.state = "ready"
+                self._connected(peer, peer.handshake.result()["instance"], now)
             else:
                 mismatch = isinstance(error, LayoutMismatch) or getattr(error, "conflict", False)
-                self._peer_failed(peer, now, f"handshake with prefill {peer.client.address} failed: {error}",
-                                  "failed_precondition" if mismatch else "unavailable")
+                peer.state, peer.failed_at = "failed", now
+                peer.error, peer.code = f"handshake with prefill {peer.client.address} failed: {error}", (
+                    "failed_precondition" if mismatch else "unavailable")
+                log.warning("%s", peer.error)
         if peer.status_call is not None and peer.status_call.done():
             try:
-                peer.statuses.update(peer.status_call.result())
-                peer.unreachable_since = None
+                answer = peer.status_call.result()
             except BootstrapError as e:
-                if e.unreachable and peer.unreachable_since is None:
-                    peer.unreachable_since = now
+                self._no_answer(peer, now, e)
+            else:
+                peer.unreachable_since = None
+                if self._same_instance(peer, answer, now):
+                    peer.statuses.update(answer["rooms"])
             peer.status_call = None
+        if peer.heartbeat is not None and peer.heartbeat.done():
+            try:
+                answer = peer.heartbeat.result()
+            except BootstrapError as e:
+                peer.missed += 1
+                self._no_answer(peer, now, e)
+                if peer.missed >= HEARTBEAT_MISSES:
+                    self._offline(peer, now, f"{peer.missed} heartbeats in a row unanswered ({e})")
+            else:
+                peer.missed = 0
+                if self._same_instance(peer, answer, now) and not answer["known"]:
+                    self._lost(peer, f"{peer} no longer knows this decode", proven=False, rehandshake=True)
+            peer.heartbeat = None
         rooms = [p.req.bootstrap.room for p in self.pending.values() if p.peer is peer and p.stage == "transfer"]
-        rooms += [q.room for q in self.quarantine if q.peer is peer]
+        rooms += [q.room for q in self.quarantine if q.peer is peer and not peer.proven_gone]
         if not rooms:
             peer.unreachable_since = None  # only a failure while requests wait on it counts
         elif peer.status_call is None and now - peer.last_poll >= STATUS_INTERVAL_S:
             peer.last_poll = now
-            peer.status_call = self.pool.submit(peer.client.status, rooms)
-        if self._dead(peer, now) and peer.state != "failed":
-            self._peer_failed(peer, now, f"prefill bootstrap service {peer.client.address} unreachable for "
-                              f"{self.config.peer_timeout:g}s (--peer-timeout)", "unavailable")
+            peer.status_call = self.pool.submit(peer.client.status, self.me, rooms)
+        if peer.state == "ready" and not peer.leaving and peer.heartbeat is None and now >= peer.next_heartbeat:
+            peer.next_heartbeat = now + self.config.peer_heartbeat_interval
+            peer.heartbeat = self.pool.submit(peer.client.heartbeat, self.me)
+            peer.heartbeat.add_done_callback(lambda _: self.wake())
+        if peer.unreachable_since is not None and now - peer.unreachable_since > self.config.peer_timeout:
+            self._offline(peer, now, f"unreachable for {self.config.peer_timeout:g}s (--peer-timeout)")
 
-    def _peer_failed(self, peer: _Peer, now: float, message: str, code: str) -> None:
-        peer.state, peer.error, peer.code, peer.failed_at = "failed", message, code, now
+    def _connected(self, peer: _Peer, instance: str, now: float) -> None:
+        peer.state, peer.instance = "ready", instance
+        peer.next_heartbeat = now + self.config.peer_heartbeat_interval
+        self.counters["peer_handshakes"] += 1
+        before = self.instances.get(peer.key)
+        self.instances[peer.key] = instance
+        if before is None or before == instance:
+            log.info("handshake with %s: registered as %s (instance %s)", peer, self.me["decode"], self.me["decode_instance"])
+            return
+        self.counters["peer_rehandshakes"] += 1
+        log.info("re-handshake with %s: it replaced instance %s", peer, before)
+        for old in self._known_peers():  # the predecessor is gone: a new process holds its address
+            if old.key == peer.key and old.instance not in ("", instance):
+                self._lost(old, f"{old} was replaced by instance {instance}", proven=True)
+
+    def _same_instance(self, peer: _Peer, answer: dict, now: float) -> bool:
+        """Check an answer of `peer`'s address; False (and the registration retired) when another
+        process answered. A prefill that says it is leaving takes no new rooms from now on."""
+        if answer["instance"] != peer.instance:
+            self._lost(peer, f"{peer} was replaced by instance {answer['instance']}", proven=True, rehandshake=True)
+            return False
+        if answer.get("leaving") and not peer.leaving:
+            peer.leaving = True
+            self._retire(peer)
+            log.info("%s is leaving: new rooms wait for its successor, its rooms in flight finish", peer)
+        return True
+
+    def _no_answer(self, peer: _Peer, now: float, e: BootstrapError) -> None:
+        if not e.unreachable:
+            return
+        peer.refused = e.refused
+        if peer.unreachable_since is None:
+            peer.unreachable_since = now
+        if peer.state == "gone" and e.refused:
+            peer.proven_gone = True  # nothing listens: the process exited after its last write
+
+    def _offline(self, peer: _Peer, now: float, why: str) -> None:
+        if peer.state != "ready":
+            return
+        self.counters["peers_offline"] += 1
+        self._lost(peer, f"{peer} is offline: {why}", proven=peer.refused)
+
+    def _lost(self, peer: _Peer, message: str, proven: bool, rehandshake: bool = False) -> None:
+        """The registration is void. Requests waiting on it fail (see _advance); with
+        `rehandshake`, a new handshake with the address starts now instead of on the next request."""
+        peer.proven_gone |= proven
+        if peer.state == "gone":
+            return
+        peer.state, peer.error, peer.code = "gone", message, "unavailable"
         log.warning("%s", message)
+        self._retire(peer)
+        if rehandshake:
+            self._peer(peer.key)
 
-    def _dead(self, peer: _Peer, now: float) -> bool:
-        return peer.unreachable_since is not None and now - peer.unreachable_since > self.config.peer_timeout
+    def _retire(self, peer: _Peer) -> None:
+        if self.peers.get(peer.key) is peer:
+            del self.peers[peer.key]
 
     # -- the queues -------------------------------------------------------------------------------
     def poll(self) -> list[Request]:
         now = time.monotonic()
-        for peer in list(self.peers.values()):
+        for peer in self._known_peers():
             self._update_peer(peer, now)
         ended = [r for p in list(self.pending.values()) if (r := self._advance(p, now)) is not None]
         self._release_quarantined(now)
@@ -159,17 +272,20 @@ class DecodeConnector(KVConnector):
 
     def _advance(self, p: _Pending, now: float) -> Request | None:
         """Move one request along; returns it when it arrived or ended."""
-        req, peer, room = p.req, p.peer, p.req.bootstrap.room
+        req, room = p.req, p.req.bootstrap.room
         if p.stage == "prealloc":
+            if p.peer.state == "gone" or p.peer.leaving:  # not registered yet: use the address's current peer
+                p.peer = self._peer(p.peer.key)
+            peer = p.peer
             if peer.state == "failed":
                 self.counters["bootstrap_failures"] += 1
                 self.pool.submit(self._cancel, peer.client, room, peer.error)  # end the prefill leg now, if it can hear
                 return self._fail(p, peer.error, peer.code)
-            if peer.state == "ready" and self._reserve(req):
+            if peer.state == "ready" and (req.slot is not None or self._reserve(req)):
                 self.records.clear(req.slot)
                 p.stage = "registering"
                 p.call = self.pool.submit(
-                    peer.client.register, room, self.decode_id, req.rid, req.prompt_len,
+                    peer.client.register, self.me, room, req.rid, req.prompt_len,
                     prompt_digest(req.token_ids[: req.prompt_len]), list(req.pages), req.slot,
                 )
                 p.call.add_done_callback(lambda _: self.wake())
@@ -178,16 +294,28 @@ class DecodeConnector(KVConnector):
                 self.counters["bootstrap_failures"] += 1
                 return self._fail(p, f"{why} within {self.config.bootstrap_timeout:g}s (--bootstrap-timeout)", "deadline_exceeded")
             return None
+        peer = p.peer
         if p.stage == "registering":
             if not p.call.done():
                 return None
             error = p.call.exception()
+            if error is None and self._same_instance(peer, p.call.result(), now):
+                p.stage, p.registered_at = "transfer", now
+                return None
+            if error is not None and error.reason in ("unknown_peer", "leaving"):
+                # Refused before anything was registered: no write can come to these pages.
+                self._lost(peer, f"{peer} refused bootstrap_room {room}: {error}", proven=error.instance != peer.instance,
+                           rehandshake=error.reason == "unknown_peer")
+                if error.reason == "unknown_peer" and not p.retried:
+                    p.stage, p.retried = "prealloc", True  # keep the reserved pages; register with the new instance
+                    return self._advance(p, now)
+                self.counters["bootstrap_failures"] += 1
+                return self._fail(p, f"registering bootstrap_room {room} failed: {error}", "unavailable")
             if error is not None:
                 self.counters["bootstrap_failures"] += 1
-                code = "failed_precondition" if getattr(error, "conflict", False) else "unavailable"
+                code = "failed_precondition" if error.conflict else "unavailable"
                 return self._abandon(p, f"registering bootstrap_room {room} failed: {error}", code)
-            p.stage, p.registered_at = "transfer", now
-            return None
+            p.stage, p.registered_at = "transfer", now  # registered, but with a process already gone (below)
         record = self.records.read(req.slot)
         if record is not None:
             if record.room != room:
@@ -195,17 +323,17 @@ class DecodeConnector(KVConnector):
                 return self._abandon(p, f"the arrival record for bootstrap_room {record.room} landed where room {room} "
                                      "was expected (wrong room)", "internal")
             return self._arrived(p, record, now)
+        if peer.state == "gone":
+            self.counters["kv_transfer_failures"] += 1
+            message = f"the KV for bootstrap_room {room} will not arrive: {peer.error}"
+            return self._fail(p, message, "unavailable") if peer.proven_gone else self._abandon(p, message, "unavailable", cancel=False)
         status = peer.statuses.get(room, {})
         state = status.get("state")
-        if self._dead(peer, now):
-            self.counters["kv_transfer_failures"] += 1
-            return self._fail(p, f"prefill {peer.client.address} died before the KV arrived (unreachable for "
-                              f"{self.config.peer_timeout:g}s)", "unavailable")
         if state == "failed":
             self.counters["bootstrap_failures" if status["code"] == "deadline_exceeded" else "kv_transfer_failures"] += 1
             return self._fail(p, f"prefill {peer.client.address}: {status['message']}", status["code"] or "aborted")
         if state == "unknown":
-            return self._abandon(p, f"prefill {peer.client.address} no longer knows bootstrap_room {room} (restarted?)", "unavailable")
+            return self._abandon(p, f"{peer} no longer knows bootstrap_room {room}", "unavailable")
         if state == "registered" and now - p.registered_at > self.config.bootstrap_timeout + 1.0:
             self.counters["bootstrap_failures"] += 1
             return self._abandon(p, f"no prefill request arrived for bootstrap_room {room} within "
@@ -243,13 +371,14 @@ class DecodeConnector(KVConnector):
         self.memory.release(p.req)
         return end(p.req, message, code)
 
-    def _abandon(self, p: _Pending, message: str, code: str | None) -> Request:
-        """End a request whose room a live prefill may still write: cancel it there, and keep the
-        pages until the prefill says the room is finished."""
+    def _abandon(self, p: _Pending, message: str, code: str | None, cancel: bool = True) -> Request:
+        """End a request whose room a live prefill may still write: cancel it there (if it can
+        hear), and keep the pages until the prefill says the room is finished or is proven gone."""
         del self.pending[p.req.rid]
         room = p.req.bootstrap.room
         self.quarantine.append(_Quarantined(p.req, p.peer, room, time.monotonic()))
-        self.pool.submit(self._cancel, p.peer.client, room, message)
+        if cancel:
+            self.pool.submit(self._cancel, p.peer.client, room, message)
         return end(p.req, message, code)
 
     @staticmethod
@@ -263,10 +392,10 @@ class DecodeConnector(KVConnector):
         for q in list(self.quarantine):
             state = q.peer.statuses.get(q.room, {}).get("state")
             overdue = now - q.since > self.config.transfer_timeout
-            if state in FINISHED_ROOM_STATES or self._dead(q.peer, now) or overdue:
+            if state in FINISHED_ROOM_STATES or q.peer.proven_gone or overdue:
                 if overdue:
                     log.warning("releasing the pages of bootstrap_room %d after %.0fs without an answer from %s",
-                                q.room, now - q.since, q.peer.client.address)
+                                q.room, now - q.since, q.peer)
                 self.quarantine.remove(q)
                 self.memory.release(q.req)
 
@@ -284,7 +413,13 @@ class DecodeConnector(KVConnector):
     def idle_wait(self) -> float | None:
         if any(p.stage == "transfer" for p in self.pending.values()):
             return 0.002  # arrival records are polled, not announced
-        return 0.05 if self.has_work() else None
+        if self.has_work():
+            return 0.05
+        beats = [p.next_heartbeat for p in self.peers.values() if p.state == "ready" and p.heartbeat is None]
+        return max(0.0, min(beats) - time.monotonic()) if beats else None
+
+    def drained(self) -> bool:
+        return not self.pending
 
     def held(self) -> list[Request]:
         return [p.req for p in self.pending.values() if p.req.slot is not None] + [q.req for q in self.quarantine]
@@ -294,4 +429,18 @@ class DecodeConnector(KVConnector):
         return {"prealloc_queue": len(self.pending) - transfer, "transfer_queue": transfer, **self.counters}
 
     def close(self) -> None:
+        """Tell every prefill we hold a registration with that we are leaving: it forgets this
+        decode and fails the rooms we registered that it has not started writing."""
+        peers = [p for p in self.peers.values() if p.state == "ready"]
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if not peers:
+            return
+        with ThreadPoolExecutor(max_workers=len(peers), thread_name_prefix="tandem-bootstrap-leave") as goodbye:
+            calls = {goodbye.submit(p.client.leave, self.me, LEAVE_TIMEOUT_S): p for p in peers}
+            wait(calls, timeout=LEAVE_TIMEOUT_S + 1)
+        for call, peer in calls.items():
+            error = call.exception() if call.done() else TimeoutError("no answer")
+            if error is None:
+                log.info("left %s: %d of our rooms there ended", peer, call.result()["failed_rooms"])
+            else:
+                log.info("could not tell %s we are leaving: %s", peer, error)

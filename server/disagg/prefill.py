@@ -7,6 +7,12 @@ Mooncake, then the arrival record) -> done (pages released; the prompt stays in 
 
 Ownership: while inflight, the request's slot and pages belong to this connector; nothing writes
 them (the prompt's KV is final), and they are released only when the write has ended.
+
+Leaving (SIGTERM): the bootstrap service refuses new decode peers and unclaimed rooms, the
+requests already here finish and their KV is sent, and the server waits (at most one
+`--peer-heartbeat-interval` and a second) until every registered decode has heard that it is
+leaving. The bootstrap service closes only after the last write: a decode that finds nothing
+listening knows no write to its pages can still come.
 """
 
 from __future__ import annotations
@@ -61,8 +67,9 @@ class PrefillConnector(KVConnector):
         self.inflight: dict[str, _Send] = {}
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0}
         self._next_expiry = 0.0
-        log.info("bootstrap service on %s:%d, Mooncake session %s (%s)", listen_host, config.bootstrap_port,
-                 self.transfer.session, config.kv_transfer_protocol)
+        self._leave_deadline: float | None = None
+        log.info("bootstrap service on %s:%d (instance %s), Mooncake session %s (%s)", listen_host, config.bootstrap_port,
+                 self.table.instance, self.transfer.session, config.kv_transfer_protocol)
 
     def check_request(self, req: Request) -> None:
         if req.bootstrap is None:
@@ -159,6 +166,20 @@ class PrefillConnector(KVConnector):
     def has_work(self) -> bool:
         return bool(self.waiting_for_peer or self.inflight)
 
+    def drain(self) -> None:
+        self.table.leave()
+        self._leave_deadline = time.monotonic() + self.config.peer_heartbeat_interval + 1.0
+
+    def drained(self) -> bool:
+        if self.waiting_for_peer or self.scheduled or self.inflight:
+            return False
+        unnotified = self.table.unnotified()
+        if unnotified and time.monotonic() < self._leave_deadline:
+            return False
+        if unnotified:
+            log.info("leaving without telling %s (no call from them)", ", ".join(unnotified))
+        return True
+
     def idle_wait(self) -> float | None:
         # Registrations and finished sends wake the loop; this is for deadlines, including those
         # of rooms a decode registered for a prefill request that never comes.
@@ -168,8 +189,9 @@ class PrefillConnector(KVConnector):
         return [s.req for s in self.inflight.values()]
 
     def stats(self) -> dict[str, int]:
-        return {"bootstrap_queue": len(self.waiting_for_peer), "inflight_queue": len(self.inflight), **self.counters}
+        return {"bootstrap_queue": len(self.waiting_for_peer), "inflight_queue": len(self.inflight), **self.counters,
+                **self.table.counters}
 
     def close(self) -> None:
+        self.pool.shutdown(wait=True)  # the last write ends before the address goes quiet
         self.service.close()
-        self.pool.shutdown(wait=True)

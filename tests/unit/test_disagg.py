@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.disagg.bootstrap import RoomTable
+from tandem.server.disagg.bootstrap import PeerRefused, RoomTable
 from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch, page_runs, prompt_digest, write_list
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, RecordBuffer
 
@@ -50,16 +50,22 @@ def test_arrival_record_round_trip_and_torn_reads():
     assert buf.read(2) is None
 
 
-def _register(table, room, prompt=(1, 2, 3, 4, 5), pages=(0, 1)):
-    return table.register({"room": room, "decode_id": "d", "request_id": "r", "prompt_len": len(prompt),
-                           "digest": prompt_digest(list(prompt)), "pages": list(pages), "record_slot": 0})
+def _register(table, room, prompt=(1, 2, 3, 4, 5), pages=(0, 1), instance="d1"):
+    return table.register({"room": room, "decode": "d", "decode_instance": instance, "request_id": "r",
+                           "prompt_len": len(prompt), "digest": prompt_digest(list(prompt)), "pages": list(pages),
+                           "record_slot": 0})
+
+
+def _add_peer(table, instance="d1"):
+    return table.add_peer({"decode": "d", "decode_instance": instance, "session": "127.0.0.1:2", "layout": LAYOUT.to_json(),
+                           "kv_base": 0, "num_pages": 8, "record_base": 0})
 
 
 @pytest.fixture
 def table():
     wakes = []
     t = RoomTable(LAYOUT, "127.0.0.1:1", wake=lambda: wakes.append(1))
-    t.add_peer({"decode_id": "d", "session": "127.0.0.1:2", "layout": LAYOUT.to_json(), "kv_base": 0, "num_pages": 8, "record_base": 0})
+    _add_peer(t)
     t.wakes = wakes
     return t
 
@@ -76,8 +82,8 @@ def test_room_pairs_in_either_order(table, decode_first):
     assert table.start_transfer(7).pages == [0, 1]
     assert table.cancel(7, "late") == "transferring"  # a write in flight is not cut off
     table.set_state(7, "done")
-    assert table.status([7, 8]) == {"7": {"state": "done", "message": "", "code": ""},
-                                    "8": {"state": "unknown", "message": "", "code": ""}}
+    assert table.status([7, 8])["rooms"] == {"7": {"state": "done", "message": "", "code": ""},
+                                             "8": {"state": "unknown", "message": "", "code": ""}}
     assert table.wakes  # the loop is nudged on registration
 
 
@@ -102,8 +108,9 @@ def test_registration_is_validated(table):
         _register(table, 7, prompt=range(9))
     with pytest.raises(ValueError, match=r"need 2 in \[0, 8\)"):
         _register(table, 7, pages=(0, 8))
-    with pytest.raises(KeyError, match="not registered"):
-        table.register({"decode_id": "nobody", "room": 1})
+    with pytest.raises(PeerRefused, match="not registered") as refused:
+        table.register({"decode": "nobody", "decode_instance": "x", "room": 1})
+    assert refused.value.reason == "unknown_peer"
     _register(table, 7)
     with pytest.raises(ValueError, match="already registered"):
         _register(table, 7)
@@ -117,3 +124,53 @@ def test_unclaimed_rooms_expire(table):
     assert table.get(7).state == "failed" and table.get(7).code == "deadline_exceeded"
     table.expire(room.created + 6.0 + 1000, bootstrap_timeout=5.0)
     assert table.get(7) is None  # forgotten long after it finished
+
+
+def test_each_start_has_its_own_instance():
+    assert RoomTable(LAYOUT, "s").instance != RoomTable(LAYOUT, "s").instance
+
+
+def test_a_restarted_decode_replaces_its_predecessor_and_its_rooms_fail(table):
+    """Same name (address), new instance: the old instance's unstarted rooms end; a started
+    write is left to finish; the old instance can register nothing more."""
+    _register(table, 1)  # registered, no prefill leg yet
+    _register(table, 2)
+    table.claim(2, "p2", 5, prompt_digest([1, 2, 3, 4, 5]))  # queued for the forward pass
+    _register(table, 3)
+    table.claim(3, "p3", 5, prompt_digest([1, 2, 3, 4, 5]))
+    table.start_transfer(3)  # writing
+    _add_peer(table, instance="d2")
+    for room in (1, 2):
+        assert table.get(room).state == "failed" and table.get(room).code == "unavailable"
+        assert "decode peer d restarted (instance d1 replaced by d2)" in table.get(room).message
+    assert table.get(3).state == "transferring"
+    assert table.counters == {"peer_handshakes": 1, "peer_rehandshakes": 1}
+    with pytest.raises(PeerRefused, match="instance d1"):
+        _register(table, 4, instance="d1")
+    assert _register(table, 4, instance="d2").state == "registered"
+
+
+def test_a_leaving_decode_releases_its_rooms(table):
+    _register(table, 1)
+    assert table.remove_peer("d", "someone-else") == 0  # only the registered instance can leave
+    assert table.remove_peer("d", "d1") == 1
+    assert table.get(1).state == "failed" and "shutting down" in table.get(1).message
+    assert table.heartbeat("d", "d1") == {"known": False, "leaving": False}
+    with pytest.raises(PeerRefused) as refused:
+        _register(table, 2)
+    assert refused.value.reason == "unknown_peer"
+
+
+def test_a_leaving_prefill_serves_claimed_rooms_refuses_new_ones_and_tells_each_peer(table):
+    table.claim(5, "p5", 5, prompt_digest([1, 2, 3, 4, 5]))  # a prefill leg in flight
+    assert table.heartbeat("d", "d1") == {"known": True, "leaving": False}
+    table.leave()
+    assert table.unnotified() == ["d"]
+    assert _register(table, 5).state == "queued"  # its decode leg still pairs
+    with pytest.raises(PeerRefused) as refused:
+        _register(table, 6)  # no prefill leg will ever come here
+    assert refused.value.reason == "leaving"
+    with pytest.raises(PeerRefused):
+        _add_peer(table, instance="d9")
+    assert table.status([5], "d") == {"rooms": {"5": {"state": "queued", "message": "", "code": ""}}, "leaving": True}
+    assert table.unnotified() == []  # the status answer told it
