@@ -74,13 +74,15 @@ def wait_router_ready(base: str, proc: subprocess.Popen, log_path: Path, model: 
         time.sleep(0.5)
 
 
-def spawn_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen, int, int]:
-    """Start `tandem serve --host 127.0.0.1` on free ports (not waiting): (process, gRPC port,
-    metrics port). `args` are further serve flags (role, engine settings)."""
-    port, metrics_port = free_port(), free_port()
+def spawn_server(args: list[str], log_path: Path, port: int | None = None,
+                 metrics_port: int | None = None) -> tuple[subprocess.Popen, int, int]:
+    """Start `tandem serve --host 127.0.0.1` (not waiting) on the given ports, or free ones:
+    (process, gRPC port, metrics port). `args` are further serve flags (role, engine settings).
+    The log is appended to, so a server restarted at the same ports keeps one log."""
+    port, metrics_port = port or free_port(), metrics_port or free_port()
     cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", str(metrics_port), *args]
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, port, metrics_port
 
@@ -115,8 +117,11 @@ def metric_value(text: str, name: str) -> float:
 
 
 # smg treats a PD leg that answers nothing for 3 s as a wedged worker; a CPU prefill of a few long
-# prompts takes longer than that.
-ROUTER_PD_ARGS = ("--worker-wedge-secs", "120")
+# prompts takes longer than that. A server being restarted is excluded once the router has had no
+# contact with it for 2 s (--worker-stall-secs) and a load poll (each second) fails; until then,
+# retries (each with a new prefill/decode pair and room, about 5 s in all) carry its requests.
+ROUTER_PD_ARGS = ("--worker-wedge-secs", "120", "--load-monitor-interval", "1", "--retry-max-retries", "10",
+                  "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000")
 
 
 @dataclass

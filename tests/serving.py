@@ -17,11 +17,20 @@ class ServerProcess:
     """`tandem serve` in a subprocess; waits until gRPC health says SERVING."""
 
     def __init__(self, *extra: str, log_path: Path, wait: bool = True):
-        self.log_path = log_path
-        self.proc, self.port, self.metrics_port = spawn_server(list(extra), log_path)
+        self.log_path, self.args = log_path, list(extra)
+        self.proc, self.port, self.metrics_port = spawn_server(self.args, log_path)
         self.target = f"127.0.0.1:{self.port}"
         if wait:
             self.wait_healthy()
+
+    def restart(self, sig=signal.SIGTERM, wait: bool = True) -> int:
+        """Stop the process with `sig`, then start a new one with the same flags at the same ports
+        (what a StatefulSet rollout does to a pod). Returns the old process's exit code."""
+        code = self.stop(sig)
+        self.proc, _, _ = spawn_server(self.args, self.log_path, self.port, self.metrics_port)
+        if wait:
+            self.wait_healthy()
+        return code
 
     def wait_healthy(self, timeout: float = 240) -> None:
         wait_healthy(self.target, self.proc, self.log_path, timeout)

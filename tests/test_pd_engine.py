@@ -184,3 +184,57 @@ def _wait_idle(*engines, timeout=30.0):
             return
         time.sleep(0.05)
     raise AssertionError("engines still busy")
+
+
+def _prefill(smollm_fp32, port):
+    from tandem.server.engine import Engine
+
+    return Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32, disagg=DisaggConfig(role="prefill", bootstrap_port=port))
+
+
+def _decode(smollm_fp32, heartbeat):
+    from tandem.server.engine import Engine
+
+    return Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32,
+                  disagg=DisaggConfig(role="decode", peer_heartbeat_interval=heartbeat))
+
+
+def test_a_quietly_replaced_prefill_is_met_again(smollm_fp32):
+    """The prefill behind a bootstrap address is replaced while the decode hears nothing (no
+    goodbye, no heartbeat in time): its next registration is refused as unknown, it handshakes
+    with the new instance and registers again, and the request succeeds."""
+    port = free_port()
+    d, p = _decode(smollm_fp32, heartbeat=3600), _prefill(smollm_fp32, port)
+    try:
+        first = run_pair(p, d, port, list(range(100, 140)))["decode"]
+        p.shutdown()  # no drain: nobody is told
+        p = _prefill(smollm_fp32, port)
+        second = run_pair(p, d, port, list(range(100, 140)))["decode"]
+        assert second.finish_reason == "length" and second.output_ids == first.output_ids
+        assert (d.snapshot.peer_handshakes, d.snapshot.peer_rehandshakes, d.snapshot.bootstrap_failures) == (2, 1, 0)
+        assert_clean(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_heartbeats_mark_a_vanished_prefill_offline(smollm_fp32):
+    """An idle decode checks its prefill: two heartbeats unanswered and the peer is offline; the
+    next request meets the process that took the address over."""
+    port = free_port()
+    d, p = _decode(smollm_fp32, heartbeat=0.2), _prefill(smollm_fp32, port)
+    try:
+        run_pair(p, d, port, list(range(100, 140)))
+        p.shutdown()
+        deadline = time.monotonic() + 10
+        while d.snapshot.peers_offline == 0:
+            assert time.monotonic() < deadline, "the decode never noticed its prefill was gone"
+            time.sleep(0.05)
+        p = _prefill(smollm_fp32, port)
+        out = run_pair(p, d, port, list(range(100, 140)))["decode"]
+        assert out.finish_reason == "length" and out.error is None
+        assert (d.snapshot.peers_offline, d.snapshot.peer_rehandshakes, d.snapshot.bootstrap_failures) == (1, 1, 0)
+        assert_clean(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -5,8 +5,9 @@ A prefill server runs one. A decode server (1) reads its KV layout and Mooncake 
 (`POST /v1/peers`), then (3) per request registers the destination pages under the request's
 `bootstrap_room` (`POST /v1/rooms`). It polls room states (`POST /v1/status`), may cancel a
 room (`POST /v1/rooms/<room>/cancel`), checks the prefill is alive (`POST /v1/heartbeat`) and
-says goodbye when it shuts down (`POST /v1/peers/leave`). KV itself never passes through here:
-prefill writes it with Mooncake one-sided writes.
+says goodbye when it shuts down (`POST /v1/peers/leave`); `GET /v1/peers` lists the decodes
+registered now. KV itself never passes through here: prefill writes it with Mooncake one-sided
+writes.
 
 Identity: both processes get an instance id on each start. Every answer of this service carries
 the prefill's (`instance`), so a decode sees at once that the process behind an address was
@@ -16,8 +17,8 @@ names its `reason`: `unknown_peer` (handshake again), `leaving` (this prefill is
 `layout` (the two sides can never exchange KV).
 
 Leaving (SIGTERM): the service refuses new peers and rooms no prefill leg has claimed yet, keeps
-answering for the rooms it still serves, and says `leaving: true` in every answer until each
-registered decode has heard it (or stopped asking).
+answering for the rooms it still serves, and says `leaving: true` in its status and heartbeat
+answers; each registered decode that has had one has been told.
 
 Room states, as the decode side sees them:
     registered    the decode's pages are known, the prefill leg has not arrived
@@ -156,6 +157,11 @@ class RoomTable:
         log.info("decode peer %s left (%d of its rooms failed)", peer, failed)
         self.wake()
         return failed
+
+    def peers(self) -> list[dict]:
+        """The decode peers registered now (name, instance, Mooncake session)."""
+        with self._lock:
+            return [{"decode": p.name, "instance": p.instance, "session": p.session} for p in self._peers.values()]
 
     def heartbeat(self, name: str, instance: str) -> dict:
         """A decode checking on this prefill: is its registration still here, is this prefill leaving."""
@@ -334,6 +340,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/v1/layout":
             self._reply(200, {"layout": self.table.layout.to_json(), "session": self.table.session})
+        elif self.path == "/v1/peers":
+            self._reply(200, {"peers": self.table.peers()})
         elif self.path == "/health":
             self._reply(200, {"ok": True})
         else:
