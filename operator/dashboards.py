@@ -271,6 +271,13 @@ def prefill_decode() -> dict:
                    [(sum_by(by_role, rate("tandem_kv_transfer_failures_total", f)), f"transfer {legend('role')}"),
                     (sum_by(by_role, rate("tandem_bootstrap_failures_total", f)), f"bootstrap {legend('role')}")],
                    unit="ops", width=8),
+        timeseries("Peer handshakes", "Bootstrap handshakes between prefill and decode processes, those with a "
+                   "restarted peer (a new instance at a known address), and prefill peers a decode marked offline, "
+                   "per second.",
+                   [(sum_by(by_role, rate("tandem_peer_handshakes_total", f)), f"handshakes {legend('role')}"),
+                    (sum_by(by_role, rate("tandem_peer_rehandshakes_total", f)), f"re-handshakes {legend('role')}"),
+                    (sum_by((), rate("tandem_peers_offline_total", f)), "offline")],
+                   unit="ops", width=24),
         row("KV cache"),
         timeseries("KV cache usage", "KV pages used by requests over the pages in the pool, by pool.",
                    [(f'{sum_by(by_role, selector("tandem_kv_pages_used", f))} / '

@@ -209,6 +209,7 @@ PROMISED = {
         "KV transfer throughput": {"tandem_kv_transfer_bytes_total"},
         "KV transfer latency": {"tandem_kv_transfer_latency_seconds_bucket"},
         "Transfer and bootstrap failures": {"tandem_kv_transfer_failures_total", "tandem_bootstrap_failures_total"},
+        "Peer handshakes": {"tandem_peer_handshakes_total", "tandem_peer_rehandshakes_total", "tandem_peers_offline_total"},
         "KV cache usage": {"tandem_kv_pages_used", "tandem_kv_pages_total"},
         "Prefix cache hit ratio": {"tandem_prefix_cache_hit_tokens_total", "tandem_prefix_cache_query_tokens_total"},
     },
