@@ -78,11 +78,12 @@ def spawn_server(args: list[str], log_path: Path, port: int | None = None,
                  metrics_port: int | None = None) -> tuple[subprocess.Popen, int, int]:
     """Start `tandem serve --host 127.0.0.1` (not waiting) on the given ports, or free ones:
     (process, gRPC port, metrics port). `args` are further serve flags (role, engine settings).
-    The log is appended to, so a server restarted at the same ports keeps one log."""
+    A server started at given ports (a restart) appends to its log; a new one starts it afresh."""
+    mode = "a" if port else "w"
     port, metrics_port = port or free_port(), metrics_port or free_port()
     cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", str(metrics_port), *args]
-    with open(log_path, "a") as log:
+    with open(log_path, mode) as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, port, metrics_port
 

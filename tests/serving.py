@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 from tandem.server.stack import (
     free_port, http_post, metric_value, metrics_text, spawn_router, spawn_server, wait_healthy, wait_router_ready,
 )
 
-__all__ = ["RouterProcess", "ServerProcess", "free_port", "http_post", "metric_value"]
+__all__ = ["PDStack", "RouterProcess", "ServerProcess", "free_port", "http_post", "metric_value"]
 
 
 class ServerProcess:
@@ -65,3 +67,60 @@ class RouterProcess:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+class PDStack:
+    """Two prefill and two decode servers (loading in parallel) and two routers over them:
+    `one_by_one` (the first prefill and the first decode) and `two_by_two` (all four).
+    `router_args`: the router's PD flags (policies, retries), before the worker list."""
+
+    def __init__(self, logs: Path, engine_args: tuple[str, ...], router_args: tuple[str, ...]):
+        import grpc
+        from smg_grpc_proto import sglang_scheduler_pb2 as pb
+        from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+        self.bootstrap_ports = [free_port(), free_port()]
+        self.prefills = [
+            ServerProcess("--role", "prefill", "--bootstrap-port", str(port), *engine_args, log_path=logs / f"prefill{i}.log", wait=False)
+            for i, port in enumerate(self.bootstrap_ports)
+        ]
+        self.decodes = [ServerProcess("--role", "decode", *engine_args, log_path=logs / f"decode{i}.log", wait=False) for i in range(2)]
+        self.routers: list[RouterProcess] = []
+        try:
+            for server in self.servers:
+                server.wait_healthy()
+            with grpc.insecure_channel(self.prefills[0].target) as channel:
+                tokenizer_dir = pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
+            self.one_by_one = self._router(router_args, self.prefills[:1], self.decodes[:1], tokenizer_dir, logs / "router-1x1.log")
+            self.two_by_two = self._router(router_args, self.prefills, self.decodes, tokenizer_dir, logs / "router-2x2.log")
+        except BaseException:  # nothing half-started outlives a failed setup
+            self.stop()
+            raise
+
+    def _router(self, router_args, prefills, decodes, tokenizer_dir, log_path) -> RouterProcess:
+        args = list(router_args)
+        for p in prefills:
+            args += ["--prefill", f"grpc://{p.target}", str(self.bootstrap_port(p))]
+        for d in decodes:
+            args += ["--decode", f"grpc://{d.target}"]
+        router = RouterProcess(*args, tokenizer_dir=tokenizer_dir, log_path=log_path)
+        self.routers.append(router)
+        return router
+
+    def bootstrap_port(self, prefill: ServerProcess) -> int:
+        return self.bootstrap_ports[self.prefills.index(prefill)]
+
+    def bootstrap(self, prefill: ServerProcess, path: str) -> dict:
+        """GET `path` from a prefill's bootstrap service."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.bootstrap_port(prefill)}{path}", timeout=10) as r:
+            return json.load(r)
+
+    @property
+    def servers(self) -> list[ServerProcess]:
+        return self.prefills + self.decodes
+
+    def stop(self) -> None:
+        for router in self.routers:
+            router.stop()
+        for server in self.servers:
+            server.stop()

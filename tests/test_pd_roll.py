@@ -8,19 +8,14 @@ all four. Each ends with every server holding no request, queue entry or KV page
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import threading
 import time
-import urllib.request
 
-import grpc
 import pytest
-from smg_grpc_proto import sglang_scheduler_pb2 as pb
-from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
-from serving import RouterProcess, ServerProcess, free_port, metric_value
+from serving import PDStack, RouterProcess, ServerProcess, metric_value
 from test_pd_router import assert_all_freed
 from tandem.server.stack import ROUTER_PD_ARGS
 
@@ -30,57 +25,9 @@ ENGINE = ("--max-total-tokens", "16384", "--served-model-name", "smollm2", "--bo
 ROUTER_ARGS = ("--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin", "--decode-policy", "round_robin")
 
 
-class Stack:
-    def __init__(self, logs):
-        self.bootstrap_ports = [free_port(), free_port()]
-        self.prefills = [
-            ServerProcess("--role", "prefill", "--bootstrap-port", str(port), *ENGINE, log_path=logs / f"prefill{i}.log", wait=False)
-            for i, port in enumerate(self.bootstrap_ports)
-        ]
-        self.decodes = [ServerProcess("--role", "decode", *ENGINE, log_path=logs / f"decode{i}.log", wait=False) for i in range(2)]
-        self.routers: list[RouterProcess] = []
-        try:
-            for server in self.servers:
-                server.wait_healthy()
-            with grpc.insecure_channel(self.prefills[0].target) as channel:
-                tokenizer_dir = pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
-            self.one_by_one = self._router(self.prefills[:1], self.decodes[:1], tokenizer_dir, logs / "router-1x1.log")
-            self.two_by_two = self._router(self.prefills, self.decodes, tokenizer_dir, logs / "router-2x2.log")
-        except BaseException:
-            self.stop()
-            raise
-
-    def _router(self, prefills, decodes, tokenizer_dir, log_path) -> RouterProcess:
-        args = list(ROUTER_ARGS)
-        for p in prefills:
-            args += ["--prefill", f"grpc://{p.target}", str(self.bootstrap_port(p))]
-        for d in decodes:
-            args += ["--decode", f"grpc://{d.target}"]
-        router = RouterProcess(*args, tokenizer_dir=tokenizer_dir, log_path=log_path)
-        self.routers.append(router)
-        return router
-
-    def bootstrap_port(self, prefill: ServerProcess) -> int:
-        return self.bootstrap_ports[self.prefills.index(prefill)]
-
-    def bootstrap(self, prefill: ServerProcess, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.bootstrap_port(prefill)}{path}", timeout=10) as r:
-            return json.load(r)
-
-    @property
-    def servers(self) -> list[ServerProcess]:
-        return self.prefills + self.decodes
-
-    def stop(self):
-        for router in self.routers:
-            router.stop()
-        for server in self.servers:
-            server.stop()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("pd-roll"))
+    stack = PDStack(tmp_path_factory.mktemp("pd-roll"), ENGINE, ROUTER_ARGS)
     yield stack
     stack.stop()
 

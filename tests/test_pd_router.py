@@ -17,62 +17,20 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from conftest import assert_matches_reference
-from serving import RouterProcess, ServerProcess, free_port, metric_value
+from serving import PDStack, RouterProcess, free_port, metric_value
 from tandem.server.stack import ROUTER_PD_ARGS
 
 NEW_TOKENS = 12
 ENGINE = ("--max-total-tokens", "16384", "--served-model-name", "smollm2", "--bootstrap-timeout", "20", "--peer-timeout", "2")
 
 
-class Stack:
-    def __init__(self, logs):
-        self.bootstrap_ports = [free_port(), free_port()]
-        self.prefills = [
-            ServerProcess("--role", "prefill", "--bootstrap-port", str(port), *ENGINE, log_path=logs / f"prefill{i}.log", wait=False)
-            for i, port in enumerate(self.bootstrap_ports)
-        ]
-        self.decodes = [ServerProcess("--role", "decode", *ENGINE, log_path=logs / f"decode{i}.log", wait=False) for i in range(2)]
-        self.routers: list[RouterProcess] = []
-        try:
-            self._start_routers(logs)
-        except BaseException:  # nothing half-started outlives a failed setup
-            self.stop()
-            raise
-
-    def _start_routers(self, logs):
-        for server in self.servers:  # started together, loading in parallel
-            server.wait_healthy()
-        with grpc.insecure_channel(self.prefills[0].target) as channel:
-            tokenizer_dir = pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
-
-        def workers(prefills, decodes):
-            args = ["--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin",
-                    "--decode-policy", "round_robin", "--disable-retries"]
-            for p in prefills:
-                args += ["--prefill", f"grpc://{p.target}", str(self.bootstrap_ports[self.prefills.index(p)])]
-            for d in decodes:
-                args += ["--decode", f"grpc://{d.target}"]
-            return args
-
-        self.one_by_one = RouterProcess(*workers(self.prefills[:1], self.decodes[:1]), tokenizer_dir=tokenizer_dir, log_path=logs / "router-1x1.log")
-        self.routers.append(self.one_by_one)
-        self.two_by_two = RouterProcess(*workers(self.prefills, self.decodes), tokenizer_dir=tokenizer_dir, log_path=logs / "router-2x2.log")
-        self.routers.append(self.two_by_two)
-
-    def stop(self):
-        for router in self.routers:
-            router.stop()
-        for server in self.servers:
-            server.stop()
-
-    @property
-    def servers(self):
-        return self.prefills + self.decodes
+ROUTER_ARGS = ("--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin",
+               "--decode-policy", "round_robin", "--disable-retries")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("pd"))
+    stack = PDStack(tmp_path_factory.mktemp("pd"), ENGINE, ROUTER_ARGS)
     yield stack
     stack.stop()
 

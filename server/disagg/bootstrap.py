@@ -107,12 +107,11 @@ class Room:
 class RoomTable:
     """Rooms and decode peers, shared by the HTTP threads and the prefill loop (one lock)."""
 
-    def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None,
-                 instance: str | None = None):
+    def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None):
         self.layout = layout
         self.session = session
         self.wake = wake
-        self.instance = instance or new_instance_id()
+        self.instance = new_instance_id()
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}
         self._peers: dict[str, DecodePeer] = {}  # by name: one instance per decode address

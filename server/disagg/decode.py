@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable
@@ -173,7 +172,7 @@ class DecodeConnector(KVConnector):
                 self._no_answer(peer, now, e)
             else:
                 peer.unreachable_since = None
-                if self._same_instance(peer, answer, now):
+                if self._same_instance(peer, answer):
                     peer.statuses.update(answer["rooms"])
             peer.status_call = None
         if peer.heartbeat is not None and peer.heartbeat.done():
@@ -183,10 +182,10 @@ class DecodeConnector(KVConnector):
                 peer.missed += 1
                 self._no_answer(peer, now, e)
                 if peer.missed >= HEARTBEAT_MISSES:
-                    self._offline(peer, now, f"{peer.missed} heartbeats in a row unanswered ({e})")
+                    self._offline(peer, f"{peer.missed} heartbeats in a row unanswered ({e})")
             else:
                 peer.missed = 0
-                if self._same_instance(peer, answer, now) and not answer["known"]:
+                if self._same_instance(peer, answer) and not answer["known"]:
                     self._lost(peer, f"{peer} no longer knows this decode", proven=False, rehandshake=True)
             peer.heartbeat = None
         rooms = [p.req.bootstrap.room for p in self.pending.values() if p.peer is peer and p.stage == "transfer"]
@@ -201,7 +200,7 @@ class DecodeConnector(KVConnector):
             peer.heartbeat = self.pool.submit(peer.client.heartbeat, self.me)
             peer.heartbeat.add_done_callback(lambda _: self.wake())
         if peer.unreachable_since is not None and now - peer.unreachable_since > self.config.peer_timeout:
-            self._offline(peer, now, f"unreachable for {self.config.peer_timeout:g}s (--peer-timeout)")
+            self._offline(peer, f"unreachable for {self.config.peer_timeout:g}s (--peer-timeout)")
 
     def _connected(self, peer: _Peer, instance: str, now: float) -> None:
         peer.state, peer.instance = "ready", instance
@@ -218,17 +217,22 @@ class DecodeConnector(KVConnector):
             if old.key == peer.key and old.instance not in ("", instance):
                 self._lost(old, f"{old} was replaced by instance {instance}", proven=True)
 
-    def _same_instance(self, peer: _Peer, answer: dict, now: float) -> bool:
+    def _same_instance(self, peer: _Peer, answer: dict) -> bool:
         """Check an answer of `peer`'s address; False (and the registration retired) when another
         process answered. A prefill that says it is leaving takes no new rooms from now on."""
         if answer["instance"] != peer.instance:
             self._lost(peer, f"{peer} was replaced by instance {answer['instance']}", proven=True, rehandshake=True)
             return False
-        if answer.get("leaving") and not peer.leaving:
+        if answer.get("leaving"):
+            self._leaving(peer)
+        return True
+
+    def _leaving(self, peer: _Peer) -> None:
+        """The prefill is shutting down: no new rooms through this registration."""
+        if peer.state == "ready" and not peer.leaving:
             peer.leaving = True
             self._retire(peer)
             log.info("%s is leaving: new rooms wait for its successor, its rooms in flight finish", peer)
-        return True
 
     def _no_answer(self, peer: _Peer, now: float, e: BootstrapError) -> None:
         if not e.unreachable:
@@ -239,7 +243,7 @@ class DecodeConnector(KVConnector):
         if peer.state == "gone" and e.refused:
             peer.proven_gone = True  # nothing listens: the process exited after its last write
 
-    def _offline(self, peer: _Peer, now: float, why: str) -> None:
+    def _offline(self, peer: _Peer, why: str) -> None:
         if peer.state != "ready":
             return
         self.counters["peers_offline"] += 1
@@ -299,16 +303,19 @@ class DecodeConnector(KVConnector):
             if not p.call.done():
                 return None
             error = p.call.exception()
-            if error is None and self._same_instance(peer, p.call.result(), now):
+            if error is None and self._same_instance(peer, p.call.result()):
                 p.stage, p.registered_at = "transfer", now
                 return None
             if error is not None and error.reason in ("unknown_peer", "leaving"):
                 # Refused before anything was registered: no write can come to these pages.
-                self._lost(peer, f"{peer} refused bootstrap_room {room}: {error}", proven=error.instance != peer.instance,
-                           rehandshake=error.reason == "unknown_peer")
-                if error.reason == "unknown_peer" and not p.retried:
-                    p.stage, p.retried = "prealloc", True  # keep the reserved pages; register with the new instance
-                    return self._advance(p, now)
+                if error.reason == "leaving":
+                    self._leaving(peer)  # it still serves the rooms it has
+                else:  # the prefill restarted (or forgot us): handshake again and register there, once
+                    self._lost(peer, f"{peer} refused bootstrap_room {room}: {error}",
+                               proven=error.instance != peer.instance, rehandshake=True)
+                    if not p.retried:
+                        p.stage, p.retried = "prealloc", True  # the reserved pages stay with the request
+                        return self._advance(p, now)
                 self.counters["bootstrap_failures"] += 1
                 return self._fail(p, f"registering bootstrap_room {room} failed: {error}", "unavailable")
             if error is not None:
