@@ -303,12 +303,13 @@ class DecodeConnector(KVConnector):
             if not p.call.done():
                 return None
             error = p.call.exception()
+            reason = getattr(error, "reason", "")  # set on the bootstrap service's own refusals
             if error is None and self._same_instance(peer, p.call.result()):
                 p.stage, p.registered_at = "transfer", now
                 return None
-            if error is not None and error.reason in ("unknown_peer", "leaving"):
+            if reason in ("unknown_peer", "leaving"):
                 # Refused before anything was registered: no write can come to these pages.
-                if error.reason == "leaving":
+                if reason == "leaving":
                     self._leaving(peer)  # it still serves the rooms it has
                 else:  # the prefill restarted (or forgot us): handshake again and register there, once
                     self._lost(peer, f"{peer} refused bootstrap_room {room}: {error}",
@@ -320,7 +321,7 @@ class DecodeConnector(KVConnector):
                 return self._fail(p, f"registering bootstrap_room {room} failed: {error}", "unavailable")
             if error is not None:
                 self.counters["bootstrap_failures"] += 1
-                code = "failed_precondition" if error.conflict else "unavailable"
+                code = "failed_precondition" if getattr(error, "conflict", False) else "unavailable"
                 return self._abandon(p, f"registering bootstrap_room {room} failed: {error}", code)
             p.stage, p.registered_at = "transfer", now  # registered, but with a process already gone (below)
         record = self.records.read(req.slot)
