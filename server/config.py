@@ -8,7 +8,6 @@ written back here.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,9 +68,6 @@ class EngineConfig:
             if not ok:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}={getattr(self, name)!r} is invalid: must be {limit}")
-
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)

@@ -270,16 +270,6 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.call(self.memory.flush_cache)
 
-    def load(self) -> dict:
-        return self.call(
-            lambda: {
-                "running": self.scheduler.num_running,
-                "waiting": self.scheduler.num_waiting,
-                "used_pages": self.memory.used_pages,
-                "total_pages": self.memory.num_pages,
-            }
-        )
-
     def drain(self) -> None:
         """The server is shutting down: the KV connector takes no new work from its peers."""
         self.call(self.connector.drain)
@@ -398,7 +388,7 @@ class Engine:
             kv_pages_total=mem.num_pages,
             kv_pages_used=mem.used_pages,
             page_size=mem.page_size,
-            prompt_tokens=sched.stats.prefix_query_tokens,
+            prompt_tokens=sched.stats.prompt_tokens,
             generation_tokens=self._generated,
             prefix_query_tokens=sched.stats.prefix_query_tokens,
             prefix_hit_tokens=sched.stats.prefix_hit_tokens,

@@ -18,10 +18,9 @@ class KVMemory:
     def __init__(self, num_pages: int, page_size: int, num_slots: int, prefix_cache: bool = True):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.slots = SlotTable(num_slots)
+        self.slots: SlotTable[Request] = SlotTable(num_slots)
         cache_cls = RadixCache if prefix_cache else ChunkCache
         self.cache: PrefixCache = cache_cls(self.allocator, page_size)
-        self._holders: dict[int, Request] = {}  # slot -> request holding it
 
     @property
     def num_pages(self) -> int:
@@ -66,8 +65,7 @@ class KVMemory:
         req.cached_pages = len(match.pages)
         req.cache_node = match.node
         req.num_computed = len(match.pages) * self.page_size
-        req.slot = self.slots.acquire(req.pages)
-        self._holders[req.slot] = req
+        req.slot = self.slots.acquire(req)
         return True
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
@@ -120,7 +118,6 @@ class KVMemory:
         self.cache.unlock(req.cache_node)
         self.allocator.free(req.pages[req.cached_pages :])
         self.slots.release(req.slot)
-        del self._holders[req.slot]
         req.slot, req.pages, req.cached_pages, req.cache_node, req.num_computed = None, [], 0, None, 0
 
     def flush_cache(self) -> bool:
@@ -134,7 +131,8 @@ class KVMemory:
         self.cache.check_integrity()
         free = set(self.allocator._free)
         cached = self.cache.held_pages()
-        owned = [p for r in self._holders.values() for p in r.pages[r.cached_pages :]]
+        holders = self.slots.holders()
+        owned = [p for r in holders for p in r.pages[r.cached_pages :]]
         cached_set, owned_set = set(cached), set(owned)
         assert len(cached_set) == len(cached), "the prefix cache holds a page twice"
         assert len(owned_set) == len(owned), "two requests own the same page"
@@ -144,6 +142,6 @@ class KVMemory:
         assert len(free) + len(cached) + len(owned) == self.num_pages, (
             f"pages leaked: free {len(free)} + cached {len(cached)} + owned {len(owned)} != {self.num_pages}"
         )
-        for r in self._holders.values():
+        for r in holders:
             assert set(r.pages[: r.cached_pages]) <= cached_set, f"request {r.rid} pins pages the cache lost"
-            assert self.slots.pages(r.slot) is r.pages, f"slot {r.slot} does not point at {r.rid}'s pages"
+            assert self.slots.holder(r.slot) is r, f"slot {r.slot} is not {r.rid}'s"

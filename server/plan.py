@@ -19,7 +19,6 @@ class SeqPlan:
     """One request's share of a forward pass. Filled by the scheduler; read-only for the runner."""
 
     rid: str
-    slot: int  # the request's slot in the SlotTable
     token_ids: list[int]  # tokens to run now, len >= 1: a prompt piece, or the last sampled token
     start_pos: int  # position of token_ids[0]; positions [0, start_pos) already have KV in `pages`
     pages: list[int]  # page table covering positions [0, start_pos + len(token_ids)), in order
@@ -41,10 +40,6 @@ class StepPlan:
     seqs: list[SeqPlan]  # prompt pieces first, then decodes (each decode has len(token_ids) == 1)
     num_extends: int  # seqs[:num_extends] are prompt pieces (a piece may be a single token)
     page_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
 
 
 @dataclass

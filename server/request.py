@@ -75,10 +75,6 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
-
-    @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.prompt_len
 

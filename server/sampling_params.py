@@ -47,10 +47,6 @@ class SamplingParams:
     top_logprobs: int = 0
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 

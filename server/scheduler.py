@@ -36,6 +36,7 @@ class SchedulerStats:
     """Plain counters and gauges for the metrics layer; the scheduler never touches prometheus."""
 
     retractions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of requests admitted for the first time (computed or arrived)
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache on first admission
     prefix_hit_tokens: int = 0  # of those, tokens served from the cache
     forward_steps: int = 0
@@ -73,7 +74,7 @@ class Scheduler:
         req.num_computed = req.prompt_len
         req.token_ids.append(first_token)
         req.admit_time = req.first_token_time = now
-        self.stats.prefix_query_tokens += req.prompt_len
+        self.stats.prompt_tokens += req.prompt_len
         self.running.append(req)
         finish = self._stop_reason(req, first_token)
         if finish is not None:
@@ -166,6 +167,7 @@ class Scheduler:
             slots_left -= 1
             if req.num_retractions == 0:
                 req.admit_time = time.monotonic()
+                self.stats.prompt_tokens += req.prompt_len
                 self.stats.prefix_query_tokens += req.prompt_len
                 self.stats.prefix_hit_tokens += cached
                 req.num_cached_prompt = cached
@@ -237,7 +239,6 @@ class Scheduler:
         start = req.num_computed
         return SeqPlan(
             rid=req.rid,
-            slot=req.slot,
             token_ids=req.token_ids[start : start + take],
             start_pos=start,
             pages=req.pages,

@@ -1,48 +1,51 @@
-"""Request slots: a bounded table of running requests, slot -> the request's page table.
+"""Request slots: a bounded table of the requests that hold KV pages, slot -> request.
 
-A slot is a small stable integer the runner may use to index per-request device state; the number
-of slots is the hard cap on requests that hold KV pages at once.
+A slot is a small stable integer the runner and the KV connectors use to index per-request state
+(arrival records, say); the number of slots is the hard cap on requests that hold KV pages at once.
 """
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
 
-class SlotTable:
-    """Contract: a slot is free or held by exactly one request; `pages(slot)` is that request's page
-    list (shared by reference with the request, so appends are visible)."""
+T = TypeVar("T")
+
+
+class SlotTable(Generic[T]):
+    """Contract: a slot is free or held by exactly one holder."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._pages: list[list[int] | None] = [None] * num_slots
+        self._holders: list[T | None] = [None] * num_slots
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self, pages: list[int]) -> int | None:
+    def acquire(self, holder: T) -> int | None:
         if not self._free:
             return None
         slot = self._free.pop()
-        self._pages[slot] = pages
+        self._holders[slot] = holder
         return slot
 
     def release(self, slot: int) -> None:
-        if self._pages[slot] is None:
+        if self._holders[slot] is None:
             raise RuntimeError(f"slot {slot} released twice")
-        self._pages[slot] = None
+        self._holders[slot] = None
         self._free.append(slot)
 
-    def pages(self, slot: int) -> list[int]:
-        pages = self._pages[slot]
-        if pages is None:
+    def holder(self, slot: int) -> T:
+        holder = self._holders[slot]
+        if holder is None:
             raise KeyError(f"slot {slot} is free")
-        return pages
+        return holder
 
-    def held_pages(self) -> list[int]:
-        return [p for pages in self._pages if pages is not None for p in pages]
+    def holders(self) -> list[T]:
+        return [h for h in self._holders if h is not None]
 
     def check_integrity(self) -> None:
-        used = sum(p is not None for p in self._pages)
+        used = sum(h is not None for h in self._holders)
         assert used + len(self._free) == self.num_slots, "slots lost or double counted"
         assert len(set(self._free)) == len(self._free), "a slot is free twice"

@@ -85,7 +85,7 @@ def test_cache_computed_hands_whole_pages_to_the_cache_and_pins_them():
     assert req.cached_pages == 2, "10 computed tokens are two whole pages"
     assert req.pages == pages, "no duplicates: the request keeps its page ids"
     assert mem.cache.num_pages == 2 and mem.cache.num_evictable == 0, "cached pages stay pinned while running"
-    assert mem.slots.pages(req.slot) is req.pages
+    assert mem.slots.holder(req.slot) is req
     release(mem, req)
     assert mem.cache.num_pages == 2 and mem.cache.num_evictable == 2
     assert sorted(mem.cache.held_pages()) == sorted(pages[:2])
@@ -142,7 +142,7 @@ def test_concurrent_identical_prompts_free_duplicate_pages():
     assert b.pages[2] == b_own[2]
     assert mem.allocator.num_free == 4, "b's two duplicate pages went back to the free list"
     assert all(p in mem.allocator._free for p in b_own[:2])
-    assert mem.slots.pages(b.slot) is b.pages
+    assert mem.slots.holder(b.slot) is b
     release(mem, a)
     assert mem.cache.num_evictable == 0, "b still pins the shared prefix"
     release(mem, b)

@@ -69,25 +69,23 @@ def test_zero_pages_rejected():
 
 def test_slot_acquire_release():
     slots = SlotTable(2)
-    pages_a, pages_b = [1, 2], [3]
-    a, b = slots.acquire(pages_a), slots.acquire(pages_b)
+    a, b = slots.acquire("a"), slots.acquire("b")
     assert {a, b} == {0, 1}
-    assert slots.acquire([4]) is None, "a third request got a slot from a table of two"
+    assert slots.acquire("c") is None, "a third request got a slot from a table of two"
     assert slots.num_free == 0
-    pages_a.append(5)  # the table shares the request's list
-    assert slots.pages(a) == [1, 2, 5]
-    assert sorted(slots.held_pages()) == [1, 2, 3, 5]
+    assert slots.holder(a) == "a" and sorted(slots.holders()) == ["a", "b"]
     slots.release(a)
     assert slots.num_free == 1
     with pytest.raises(KeyError):
-        slots.pages(a)
-    assert slots.acquire([6]) == a
+        slots.holder(a)
+    assert slots.holders() == ["b"]
+    assert slots.acquire("d") == a
     slots.check_integrity()
 
 
 def test_slot_double_release_raises():
     slots = SlotTable(2)
-    slot = slots.acquire([0])
+    slot = slots.acquire("a")
     slots.release(slot)
     with pytest.raises(RuntimeError, match="released twice"):
         slots.release(slot)

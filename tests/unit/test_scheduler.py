@@ -43,6 +43,10 @@ def make_request(rid: str, prompt: list[int], max_new_tokens: int = 4, **params)
     )
 
 
+def outputs(req: Request) -> list[int]:
+    return req.token_ids[req.prompt_len :]
+
+
 class FakeRunner:
     """Writes every planned token into a fake KV pool at (page, offset) and checks that all earlier
     positions of the sequence read back its own history, so a page shared, swapped or reused wrongly
@@ -117,7 +121,7 @@ def test_one_request_prefills_then_decodes_to_its_limit():
     plans = run_to_completion(sched, FakeRunner(4))
     assert [p.phase for p in plans] == [Phase.PREFILL] + [Phase.DECODE] * 3
     assert [p.seqs[0].start_pos for p in plans] == [0, 5, 6, 7]
-    assert req.output_ids == [TOKEN] * 4
+    assert outputs(req) == [TOKEN] * 4
     assert req.finish.reason == "length" and req.status is Status.FINISHED
 
 
@@ -132,7 +136,7 @@ def test_max_prefill_tokens_limits_prompts_per_step():
     assert [s.rid for s in first.seqs] == ["0", "1"], "16 prompt tokens fit two prompts of 8"
     assert [r.rid for r in sched.waiting] == ["2"]
     run_to_completion(sched, runner)
-    assert all(len(r.output_ids) == 4 for r in reqs)
+    assert all(len(outputs(r)) == 4 for r in reqs)
 
 
 def test_one_prompt_may_exceed_max_prefill_tokens():
@@ -159,7 +163,7 @@ def test_max_running_requests_caps_running():
         seen_running.append(sched.num_running)
     assert max(seen_running) == 2
     assert_drained(sched)
-    assert all(r.output_ids == [TOKEN] * 3 for r in reqs)
+    assert all(outputs(r) == [TOKEN] * 3 for r in reqs)
 
 
 # -- chunked prefill -------------------------------------------------------------------------------
@@ -185,11 +189,11 @@ def test_long_prompt_is_split_into_page_aligned_pieces(page_size, chunk, pieces)
             # the finished pieces are shared through the prefix cache right away
             assert req.cached_pages == (starts + size) // page_size
         starts += size
-    assert req.output_ids == [TOKEN]
+    assert outputs(req) == [TOKEN]
     decode = step(sched, runner)
     assert decode.phase is Phase.DECODE and decode.seqs[0].start_pos == len(prompt)
     assert_drained(sched)
-    assert req.output_ids == [TOKEN] * 2
+    assert outputs(req) == [TOKEN] * 2
 
 
 def test_chunked_request_blocks_other_prompts_until_done():
@@ -227,7 +231,7 @@ def test_mixed_step_runs_prompt_piece_with_decodes():
     assert plan.phase is Phase.MIXED
     assert [(s.rid, s.start_pos) for s in plan.seqs] == [("b", 8), ("a", 4)]
     run_to_completion(sched, runner)
-    assert a.output_ids == [TOKEN] * 6 and b.output_ids == [TOKEN] * 2
+    assert outputs(a) == [TOKEN] * 6 and outputs(b) == [TOKEN] * 2
 
 
 def test_prefill_has_priority_when_not_mixed():
@@ -280,7 +284,7 @@ def test_retraction_sends_fewest_output_request_to_front_of_queue(page_size):
     assert [r.rid for r in sched.waiting] == ["b", "c"], "the retracted request goes first"
     assert [r.rid for r in sched.running] == ["a"]
     run_to_completion(sched, runner)
-    assert a.output_ids == [TOKEN] * 10 and b.output_ids == [TOKEN] * 10 and c.output_ids == [TOKEN] * 2
+    assert outputs(a) == [TOKEN] * 10 and outputs(b) == [TOKEN] * 10 and outputs(c) == [TOKEN] * 2
     assert a.finish.reason == b.finish.reason == "length"
     assert runner.kv, "the fake runner saw the passes"
 
@@ -304,7 +308,7 @@ def test_retracted_chunked_request_resumes_from_its_cached_pieces():
     plans = run_to_completion(sched, runner)
     resumed = next(s for p in plans for s in p.seqs if s.rid == "b")
     assert resumed.start_pos > 0, "b does not recompute what the cache kept"
-    assert a.output_ids == [TOKEN] * 12 and b.output_ids == [TOKEN] * 2
+    assert outputs(a) == [TOKEN] * 12 and outputs(b) == [TOKEN] * 2
 
 
 def test_lone_request_that_outgrows_the_pool_is_aborted():
@@ -316,7 +320,7 @@ def test_lone_request_that_outgrows_the_pool_is_aborted():
         step(sched, runner)
     assert sched.schedule() is None, "nothing left to run once the request is aborted"
     assert req.finish.reason == "abort" and "KV cache exhausted" in req.finish.message
-    assert len(req.output_ids) == 3
+    assert len(outputs(req)) == 3
     assert_drained(sched)
 
 
@@ -360,7 +364,7 @@ def test_reserve_for_running_output_holds_back_admission():
     assert sched.stats.retractions == 0
     first_b = next(i for i, p in enumerate(plans) if any(s.rid == "b" for s in p.seqs))
     assert [p.seqs[0].rid for p in plans[:first_b]] == ["a"] * 28, "b waited for all of a's decodes"
-    assert b.output_ids == [TOKEN] * 2
+    assert outputs(b) == [TOKEN] * 2
 
 
 # -- queue order -----------------------------------------------------------------------------------
@@ -384,6 +388,24 @@ def test_lpm_admits_longest_cached_prefix_first(policy, first):
     run_to_completion(sched, runner)
     assert sched.stats.prefix_hit_tokens == 12
     assert y.num_cached_prompt == 12 and x.num_cached_prompt == 0
+    assert sched.stats.prompt_tokens == sched.stats.prefix_query_tokens == 16 * 3
+
+
+def test_prompt_tokens_count_once_per_request_and_arrived_prompts_query_no_cache():
+    """A retracted request's readmission counts nothing again; a prompt whose KV arrived (PD
+    decode) counts as a prompt but was never looked up in the prefix cache."""
+    sched, runner, requests = retraction_scenario(page_size=2)
+    run_to_completion(sched, runner)
+    assert sched.stats.retractions > 0
+    admitted = sum(r.prompt_len for r in requests)
+    assert sched.stats.prompt_tokens == sched.stats.prefix_query_tokens == admitted
+
+    arrived = make_request("arrived", list(range(10, 21)), max_new_tokens=1)
+    assert sched.memory.reserve(arrived, arrived.prompt_len)
+    before = sched.stats.prefix_query_tokens
+    sched.add_prefilled(arrived, TOKEN)
+    assert sched.stats.prompt_tokens == admitted + 11
+    assert sched.stats.prefix_query_tokens == before
 
 
 # -- aborts ----------------------------------------------------------------------------------------
@@ -416,13 +438,13 @@ def test_abort_while_the_pass_runs_skips_its_update():
     plan = sched.schedule()
     sched.abort("a")
     assert sched.update(plan, FakeRunner(4)(plan)) == []
-    assert req.output_ids == [] and req.finish.reason == "abort"
+    assert outputs(req) == [] and req.finish.reason == "abort"
     assert_drained(sched)
 
 
 # -- stopping --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "params, reason, matched, outputs",
+    "params, reason, matched, expected",
     [
         ({}, "stop", EOS, [5, 6, EOS]),
         ({"ignore_eos": True}, "length", None, [5, 6, EOS, 8, 9, 10]),
@@ -430,12 +452,12 @@ def test_abort_while_the_pass_runs_skips_its_update():
         ({"stop_token_ids": (6,)}, "stop", 6, [5, 6]),
     ],
 )
-def test_stop_conditions(params, reason, matched, outputs):
+def test_stop_conditions(params, reason, matched, expected):
     sched = make_scheduler()
     req = make_request("a", [1, 3, 4], max_new_tokens=6, **params)
     sched.add(req)
     run_to_completion(sched, FakeRunner(4, script={"a": [5, 6, EOS, 8, 9, 10, 11]}))
-    assert req.output_ids == outputs
+    assert outputs(req) == expected
     assert req.finish.reason == reason and req.finish.matched == matched
 
 
@@ -467,7 +489,7 @@ def test_many_requests_on_a_tight_pool_drain_cleanly(prefix_cache, mixed):
         sched.add(req)
     run_to_completion(sched, runner)
     assert sched.stats.retractions > 0, "the pool is meant to be tight enough to force retractions"
-    assert all(r.output_ids == [TOKEN] * r.max_new_tokens for r in reqs)
+    assert all(outputs(r) == [TOKEN] * r.max_new_tokens for r in reqs)
     assert (sched.stats.prefix_hit_tokens > 0) == prefix_cache
 
 
@@ -504,7 +526,7 @@ def test_add_prefilled_joins_running_without_a_prompt_pass(first_token, finished
     for pos, token in enumerate(prompt):  # what the transfer wrote
         runner.kv[runner.cell(req.pages, pos)] = token
     sched.add_prefilled(req, first_token)
-    assert req.output_ids == [first_token] and req.finished is finished
+    assert outputs(req) == [first_token] and req.finished is finished
     plans = run_to_completion(sched, runner)
     assert all(p.phase is Phase.DECODE for p in plans)  # the prompt never ran here
-    assert req.output_ids == ([EOS] if finished else [TOKEN] * 3)
+    assert outputs(req) == ([EOS] if finished else [TOKEN] * 3)
