@@ -16,9 +16,12 @@ FROM ${PY_IMAGE} AS wheel
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY cli/ cli/
+COPY tools/ tools/
 COPY server/ server/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY common/ common/
 # A pinned build backend instead of pip's isolated build environment, which would take the newest.
 RUN pip install setuptools==84.2.1 wheel==0.48.0 \
  && pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
@@ -39,14 +42,13 @@ CMD ["launch", "--host", "0.0.0.0", "--port", "8000"]
 
 FROM ${PY_IMAGE} AS operator
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# tandem is installed --no-deps: its base dependencies include torch (gigabytes), which the operator
-# never imports. What `tandem operator` imports is installed instead: kopf, kubernetes, PyYAML,
-# prometheus-client, and grpcio + grpcio-health-checking, because the `tandem` command line imports
-# tandem.server.serve. The constraints file pins their dependencies.
+# tandem is installed --no-deps: its base dependencies include torch (gigabytes) and grpcio, which
+# the operator never imports (import-linter's contracts in pyproject.toml keep it so). What
+# `tandem operator` imports is installed instead: kopf, kubernetes, PyYAML, prometheus-client.
+# The constraints file pins their dependencies.
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     --mount=type=bind,source=docker/constraints-operator.txt,target=/tmp/constraints.txt \
     pip install -c /tmp/constraints.txt kopf==1.45.2 kubernetes==37.0.2 PyYAML==6.0.3 prometheus-client==0.26.0 \
-      grpcio==1.85.1 grpcio-health-checking==1.85.1 \
  && pip install --no-deps /wheels/tandem-*.whl \
  && groupadd --gid 10001 tandem \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin tandem

@@ -9,13 +9,13 @@ are log-softmax of the raw logits (before penalties and temperature).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
-@dataclass
-class SamplingRow:
-    """What one row of logits needs: its parameters and, for penalties, its token history."""
+class RowParams(Protocol):
+    """The sampling parameters the kernel reads (a request's SamplingParams has them all)."""
 
     temperature: float
     top_k: int  # <= 0: disabled
@@ -24,13 +24,20 @@ class SamplingRow:
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float
+
+
+@dataclass
+class SamplingRow:
+    """What one row of logits needs: its parameters, its seed and, for penalties, its token history."""
+
+    params: RowParams
     seed: int
     history: list[int] | None = None  # prompt + output tokens, only when a penalty is set
     prompt_len: int = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.params.temperature == 0.0 or self.params.top_k == 1
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -39,15 +46,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         if row.history is None:
             continue
-        device = logits.device
-        if row.repetition_penalty != 1.0:
+        device, p = logits.device, row.params
+        if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.history)), dtype=torch.long, device=device)
             vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / row.repetition_penalty, vals * row.repetition_penalty)
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         output = row.history[row.prompt_len :]
-        if output and (row.frequency_penalty or row.presence_penalty):
+        if output and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(torch.tensor(output, device=device), minlength=logits.shape[1]).to(logits.dtype)
-            logits[i] -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -79,14 +86,15 @@ def sample(
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         sub = [rows[i] for i in random_rows]
-        temps = torch.tensor([r.temperature for r in sub], device=logits.device)
+        params = [r.params for r in sub]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
         probs = torch.softmax(logits[idx] / temps[:, None], dim=-1)
-        if any(r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0 for r in sub):
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             probs = filter_probs(
                 probs,
-                torch.tensor([r.top_k for r in sub], device=logits.device),
-                torch.tensor([r.top_p for r in sub], device=logits.device),
-                torch.tensor([r.min_p for r in sub], device=logits.device),
+                torch.tensor([p.top_k for p in params], device=logits.device),
+                torch.tensor([p.top_p for p in params], device=logits.device),
+                torch.tensor([p.min_p for p in params], device=logits.device),
             )
         for j, (i, row) in enumerate(zip(random_rows, sub)):
             gen = torch.Generator(device=logits.device).manual_seed(row.seed)

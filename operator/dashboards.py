@@ -19,6 +19,8 @@ import json
 import re
 from pathlib import Path
 
+from tandem.operator.spec import POOLS
+
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = Path("charts") / "tandem" / "dashboards"
 
@@ -32,7 +34,6 @@ TAG = "tandem"
 # The variables each family of metrics is filtered by.
 SERVER_FILTERS = ("namespace", "model")
 AUTOSCALER_FILTERS = ("namespace", "service")
-POOLS = ("prefill", "decode")
 
 
 # --------------------------------------------------------------------------------------------- PromQL

@@ -19,10 +19,10 @@ import kopf
 from tandem.operator import render
 from tandem.operator.kube import PLURALS, ApiException, Kube, up_to_date
 from tandem.operator.metrics import DRIFT_CORRECTIONS, RECONCILE_SECONDS, RECONCILES
-from tandem.operator.scaler import Autoscaler
+from tandem.operator.scaler import Scaler
 from tandem.operator.schema import SpecError
 from tandem.operator.spec import GROUP, KIND, PLURAL, VERSION, parse_spec
-from tandem.operator.status import Observed, compute_status, invalid_status
+from tandem.operator.status import Observed, compute_status, invalid_status, with_autoscaler
 
 MONITOR_API = "monitoring.coreos.com/v1"
 CHILD_KINDS = [(v, k) for (v, k) in PLURALS if v != MONITOR_API]
@@ -223,7 +223,7 @@ def _list_pods(inst: render.Instance, pool: str) -> list[dict]:
     return Kube().list_pods(inst.namespace, ",".join(f"{k}={v}" for k, v in selector.items()))
 
 
-AUTOSCALER = Autoscaler(_list_pods, time.time)
+AUTOSCALER = Scaler(_list_pods, time.time)
 
 
 def _autoscaling_on(spec, **_) -> bool:
@@ -259,8 +259,8 @@ def autoscale_once(namespace: str, name: str) -> float:
             return 5.0
         if not inst.spec.autoscaling.enabled:
             return 5.0
-        changes = AUTOSCALER.tick(inst, status)
-        owner["status"] = status
+        scaled, changes = AUTOSCALER.tick(inst, status)
+        owner["status"] = status = with_autoscaler(status, scaled)
         for change in changes:
             kopf.info(owner, reason=change.reason, message=change.message)
         if changes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from tandem.operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
+from tandem.operator.spec import GROUP, KIND, POOLS, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
 from tandem.operator.schema import to_wire
 
 GRPC_PORT = 30000
@@ -34,7 +34,6 @@ WORKERS_FILE = "workers.json"
 WORKERS_DIR = "/etc/tandem/router"
 MODEL_DIR = "/models"
 CACHE_DIR = "/cache"
-POOLS = ("prefill", "decode")
 MANAGED_BY = "tandem-operator"
 
 

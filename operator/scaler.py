@@ -5,11 +5,12 @@ One `tick` per InferenceService per interval (handlers.py runs it in a kopf daem
 
     1. list the pool's pods; the routed ones are ordinals below status.<pool>.desiredReplicas
     2. read every ready routed server (and a draining one) from its /metrics or Prometheus
-    3. load in replica units (signals.py) -> Sample -> decide() (autoscaler.py)
+    3. load in replica units (signals.py) -> Sample -> decide() (decision.py)
     4. act: scale up at once; to scale down, take the highest ordinal out of the router's worker
        list (status.<pool>.draining) and lower the StatefulSet only once that server has no
        request left and the router has had time to reread its list, or the drain timeout passed
-    5. status (desired replicas, signals, last decision, AutoscalerHealthy), events, metrics
+    5. return the status (desired replicas, signals, last decision, drain, health) typed, as an
+       AutoscalerStatus that status.with_autoscaler writes; the changes become events and metrics
 
 The sample history lives in memory (a restarted operator waits a full window before scaling
 down again); what must survive a restart (the desired size, the drain) lives in status.
@@ -19,15 +20,18 @@ from __future__ import annotations
 
 import datetime
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from tandem.operator import render
-from tandem.operator.autoscaler import Policy, Sample, decide
+from tandem.operator.decision import Policy, Sample, decide
 from tandem.operator.metrics import (AUTOSCALER_DECISIONS, AUTOSCALER_DESIRED, AUTOSCALER_HEALTHY, AUTOSCALER_LOAD,
                                      AUTOSCALER_REPLICAS)
+from tandem.operator.schema import parse
 from tandem.operator.signals import PodSignals, PoolLoad, decode_load, prefill_load, prefill_rate
 from tandem.operator.sources import Pod, PodScraper, PrometheusSource
+from tandem.operator.spec import Drain, PoolSignals, PoolStatus, ScalingDecision
+from tandem.operator.status import AutoscaledPool, AutoscalerStatus
 
 STALE_INTERVALS = 3  # a ready server not read for this many intervals makes the pool's metrics stale
 UNKNOWN_FRACTION = 0.25  # ... as does more than this fraction of its ready servers unread this time
@@ -111,7 +115,7 @@ def metrics_url(pod: dict) -> str | None:
     return f"http://{host}:{port}/metrics"
 
 
-class Autoscaler:
+class Scaler:
     """Ticks InferenceServices. `list_pods(instance, pool)` returns the pool's pods' bodies."""
 
     def __init__(self, list_pods: Callable[[render.Instance, str], list[dict]], clock: Callable[[], float]):
@@ -123,68 +127,70 @@ class Autoscaler:
         for key in [k for k in self.trackers if k[:2] == (namespace, name)]:
             del self.trackers[key]
 
-    def tick(self, inst: render.Instance, status: dict) -> list[Change]:
-        """One interval for both pools of `inst`. Updates `status` in place (desiredReplicas,
-        draining, signals, lastScaling, the AutoscalerHealthy condition) and returns the changes."""
+    def tick(self, inst: render.Instance, status: dict) -> tuple[AutoscalerStatus, list[Change]]:
+        """One interval for both pools of `inst`, whose status is `status` (only read): the
+        autoscaler's part of the new status, and the changes."""
         scaling = inst.spec.autoscaling
         source = PrometheusSource(scaling.prometheus.url) if scaling.prometheus.url else self.scraper
         now = self.clock()
-        changes, health = [], []
+        pools, changes, health = {}, [], []
         for pool in render.POOLS:
-            pool_status = status.setdefault(pool, {})
-            change, problem = self._pool(inst, pool, pool_status, source, now)
+            previous = parse(PoolStatus, status.get(pool), f"status.{pool}")
+            scaled, change, problem = self._pool(inst, pool, previous, source, now)
+            pools[pool] = scaled
             changes += change
-            health.append(problem or f"{pool}: {(pool_status.get('signals') or {}).get('servers', 0)} server(s) read")
+            health.append(problem or f"{pool}: {scaled.signals.servers if scaled.signals else 0} server(s) read")
             labels = (inst.namespace, inst.name, pool)
-            AUTOSCALER_DESIRED.labels(*labels).set(pool_status["desiredReplicas"])
-            AUTOSCALER_REPLICAS.labels(*labels).set(pool_status["desiredReplicas"] + bool(pool_status.get("draining")))
+            AUTOSCALER_DESIRED.labels(*labels).set(scaled.desired_replicas)
+            AUTOSCALER_REPLICAS.labels(*labels).set(scaled.desired_replicas + bool(scaled.draining))
             AUTOSCALER_HEALTHY.labels(*labels).set(0 if problem else 1)
             for c in change:
                 if c.direction:
                     AUTOSCALER_DECISIONS.labels(*labels, c.direction).inc()
         stale = [h for h in health if "stale" in h]
-        _set_health(status, not stale, "; ".join(stale or health), iso(now))
-        return changes
+        return AutoscalerStatus(iso(now), **pools, healthy=not stale, message="; ".join(stale or health)), changes
 
-    def _pool(self, inst: render.Instance, pool: str, pool_status: dict, source, now: float):
+    def _pool(self, inst: render.Instance, pool: str, previous: PoolStatus, source,
+              now: float) -> tuple[AutoscaledPool, list[Change], str | None]:
+        """One pool's interval: its autoscaler fields after it, its changes, and why its metrics
+        can't be trusted (None when they can)."""
         scaling = getattr(inst.spec.autoscaling, pool)
         interval = inst.spec.autoscaling.interval_seconds
         key = (inst.namespace, inst.name, pool)
         tracker = self.trackers.setdefault(key, PoolTracker())
         current = inst.pool_replicas(pool)
-        pool_status["desiredReplicas"] = current
         sts = inst.pool_name(pool)
         pods = {p["metadata"]["name"]: p for p in self.list_pods(inst, pool)}
         routed = [f"{sts}-{i}" for i in range(current)]
         ready = {name: pods[name] for name in routed if name in pods and _ready(pods[name])}
-        drain = pool_status.get("draining")
+        drain = previous.draining
         targets = dict(ready)
-        if drain and drain["pod"] in pods:
-            targets[drain["pod"]] = pods[drain["pod"]]
+        if drain and drain.pod in pods:
+            targets[drain.pod] = pods[drain.pod]
         readable = [Pod(name, url) for name, body in targets.items() if (url := metrics_url(body))]
         reads = source.read(inst.namespace, readable)
         tracker.remember(now, list(ready), reads)
         known = [s for name, s in reads.items() if s is not None and name in ready]
+        # Nothing known of a pool with ready servers is always stale: they all went unread.
         problem = _staleness(pool, tracker, ready, reads, now, interval)
 
         settle = inst.spec.autoscaling.router_settle_seconds
 
         def finish_drain() -> list[Change]:
-            why = _drain_finished(drain, reads.get(drain["pod"]), targets, scaling.drain_timeout_seconds, settle, now)
+            why = _drain_finished(drain, reads.get(drain.pod), targets, scaling.drain_timeout_seconds, settle, now)
             if not why:
                 return []
-            pool_status["draining"] = None
-            return [Change(pool, "ScaledDown", f"{drain['pod']} {why}; StatefulSet {sts} {current + 1}→{current} "
+            return [Change(pool, "ScaledDown", f"{drain.pod} {why}; StatefulSet {sts} {current + 1}→{current} "
                            "replicas", None)]
 
         if not known:  # nothing to decide on; a drain still ends
-            pool_status["signals"] = None
-            problem = problem or (None if not ready else f"{pool}: metrics stale, no ready server could be read")
-            return (finish_drain() if drain else []), problem
+            done = finish_drain() if drain else []
+            return AutoscaledPool(current, previous.last_scaling, draining=None if done else drain), done, problem
         load = tracker.load(pool, known, scaling)
         AUTOSCALER_LOAD.labels(*key).set(load.load)
-        pool_status["signals"] = {"time": iso(max(s.time for s in known)), "load": round(load.load, 3),
-                                  "servers": len(known), "values": load.values}
+        signals = PoolSignals(time=iso(max(s.time for s in known)), load=round(load.load, 3), servers=len(known),
+                              values=load.values)
+        unchanged = AutoscaledPool(current, previous.last_scaling, signals, drain)
         policy = Policy.from_spec(inst.pool(pool), scaling)
         keep = max(policy.scale_down_window, policy.stable_window) + policy.stable_window
         history = tracker.add(Sample(now, load.load, current, load.detail), keep)
@@ -192,27 +198,30 @@ class Autoscaler:
 
         if drain:
             if decision.replicas > current:  # load is back: the draining server returns to the router
-                pool_status["draining"] = None
-                return [self._decided(pool_status, pool, current, decision.replicas,
-                                      f"{decision.reason}; {drain['pod']} stops draining", now)], problem
-            return finish_drain(), problem
+                scaled, change = _decided(unchanged, pool, decision.replicas,
+                                          f"{decision.reason}; {drain.pod} stops draining", now)
+                return replace(scaled, draining=None), [change], problem
+            done = finish_drain()
+            return replace(unchanged, draining=None if done else drain), done, problem
         if decision.replicas < current:
             pod = f"{sts}-{current - 1}"
-            pool_status["draining"] = {"pod": pod, "since": iso(now)}
-            return [self._decided(pool_status, pool, current, decision.replicas,
-                                  f"{decision.reason}; draining {pod} (out of the router's worker list)", now,
-                                  "ScalingDown")], problem
+            scaled, change = _decided(unchanged, pool, decision.replicas,
+                                      f"{decision.reason}; draining {pod} (out of the router's worker list)", now,
+                                      "ScalingDown")
+            return replace(scaled, draining=Drain(pod=pod, since=iso(now))), [change], problem
         if decision.replicas > current:
-            return [self._decided(pool_status, pool, current, decision.replicas, decision.reason, now)], problem
-        return [], problem
+            scaled, change = _decided(unchanged, pool, decision.replicas, decision.reason, now)
+            return scaled, [change], problem
+        return unchanged, [], problem
 
-    @staticmethod
-    def _decided(pool_status: dict, pool: str, before: int, after: int, reason: str, now: float,
-                 event: str = "ScaledUp") -> Change:
-        pool_status["desiredReplicas"] = after
-        pool_status["lastScaling"] = {"time": iso(now), "fromReplicas": before, "toReplicas": after,
-                                      "reason": f"{pool} {reason}"}
-        return Change(pool, event, f"{pool} {reason}", "up" if after > before else "down")
+
+def _decided(scaled: AutoscaledPool, pool: str, after: int, reason: str, now: float,
+             event: str = "ScaledUp") -> tuple[AutoscaledPool, Change]:
+    """The pool resized to `after`: its fields with the new size and decision, and the change."""
+    before = scaled.desired_replicas
+    decision = ScalingDecision(time=iso(now), from_replicas=before, to_replicas=after, reason=f"{pool} {reason}")
+    return (replace(scaled, desired_replicas=after, last_scaling=decision),
+            Change(pool, event, decision.reason, "up" if after > before else "down"))
 
 
 def _staleness(pool: str, tracker: PoolTracker, ready: dict, reads: dict, now: float, interval: float) -> str | None:
@@ -227,13 +236,13 @@ def _staleness(pool: str, tracker: PoolTracker, ready: dict, reads: dict, now: f
     return None
 
 
-def _drain_finished(drain: dict, signals: PodSignals | None, targets: dict, timeout: float, settle: float,
+def _drain_finished(drain: Drain, signals: PodSignals | None, targets: dict, timeout: float, settle: float,
                     now: float) -> str | None:
     """Why the draining server may go now, or None to keep waiting."""
-    elapsed = now - parse_iso(drain["since"])
-    if drain["pod"] not in targets:
+    elapsed = now - parse_iso(drain.since)
+    if drain.pod not in targets:
         return "is gone"
-    if not _ready(targets[drain["pod"]]):
+    if not _ready(targets[drain.pod]):
         return "was not ready (no requests routed to it)"
     if signals is not None and signals.in_flight == 0 and elapsed >= settle:
         return f"drained after {elapsed:.0f} s"
@@ -242,13 +251,3 @@ def _drain_finished(drain: dict, signals: PodSignals | None, targets: dict, time
         return f"drain timed out after {elapsed:.0f} s ({left} requests left)"
     return None
 
-
-def _set_health(status: dict, healthy: bool, message: str, now: str) -> None:
-    conditions = [c for c in status.get("conditions") or [] if c.get("type") != "AutoscalerHealthy"]
-    old = next((c for c in status.get("conditions") or [] if c.get("type") == "AutoscalerHealthy"), {})
-    value = "True" if healthy else "False"
-    conditions.append({"type": "AutoscalerHealthy", "status": value,
-                       "reason": "MetricsFresh" if healthy else "MetricsStale", "message": message,
-                       "lastTransitionTime": old.get("lastTransitionTime") if old.get("status") == value else now,
-                       "observedGeneration": (status.get("observedGeneration") or 0)})
-    status["conditions"] = conditions

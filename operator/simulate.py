@@ -61,38 +61,35 @@ import random
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from tandem.operator.autoscaler import Policy, Sample, decide
+from tandem.common.options import opt
+from tandem.common.stats import percentile
+from tandem.operator.decision import Policy, Sample, decide
 from tandem.operator.scaler import PoolTracker
 from tandem.operator.signals import PodSignals, PoolLoad
-from tandem.operator.spec import AutoscalingSpec, PoolSpec, PrefillAutoscaling
+from tandem.operator.spec import POOLS, AutoscalingSpec, PoolSpec, PrefillAutoscaling
 
 PAGE_SIZE = 16  # tokens per KV page, for the decode servers' page gauges
-POOLS = ("prefill", "decode")
 MINUTE = 60.0
 FIXED_UTILIZATION = 0.8  # the fixed deployment's sizing target per server
-
-
-def _opt(default, help: str):
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class SimConfig:
     """The simulated cluster and trace. `tandem bench autoscale` flags are generated from it."""
 
-    seed: int = _opt(1, "seed of the arrival trace and of the router's choices")
-    peak_rate: float = _opt(40.0, "requests/s during the spike; the plateau is 1/3.5 of it, the quiet periods 1/20")
-    startup_seconds: float = _opt(120.0, "seconds from asking for a pod to its server being ready")
-    max_replicas: int = _opt(16, "maxReplicas of both pools (minReplicas and starting replicas: 1)")
-    prefill_tokens_per_second: float = _opt(10_000.0, "prompt tokens one prefill server computes per second")
-    prefill_batch_tokens: int = _opt(8192, "prompt tokens in one prefill forward pass (its requests count as running)")
-    decode_kv_tokens: int = _opt(65_536, "KV cache of one decode server, in tokens")
-    decode_tokens_per_second: float = _opt(30.0, "output tokens/s of one decoding request")
-    prompt_min: int = _opt(256, "shortest prompt, tokens")
-    prompt_max: int = _opt(2048, "longest prompt, tokens")
-    output_min: int = _opt(32, "shortest output, tokens")
-    output_max: int = _opt(512, "longest output, tokens")
-    prefill_queue_seconds: float | None = _opt(
+    seed: int = opt(1, "seed of the arrival trace and of the router's choices")
+    peak_rate: float = opt(40.0, "requests/s during the spike; the plateau is 1/3.5 of it, the quiet periods 1/20")
+    startup_seconds: float = opt(120.0, "seconds from asking for a pod to its server being ready")
+    max_replicas: int = opt(16, "maxReplicas of both pools (minReplicas and starting replicas: 1)")
+    prefill_tokens_per_second: float = opt(10_000.0, "prompt tokens one prefill server computes per second")
+    prefill_batch_tokens: int = opt(8192, "prompt tokens in one prefill forward pass (its requests count as running)")
+    decode_kv_tokens: int = opt(65_536, "KV cache of one decode server, in tokens")
+    decode_tokens_per_second: float = opt(30.0, "output tokens/s of one decoding request")
+    prompt_min: int = opt(256, "shortest prompt, tokens")
+    prompt_max: int = opt(2048, "longest prompt, tokens")
+    output_min: int = opt(32, "shortest output, tokens")
+    output_max: int = opt(512, "longest output, tokens")
+    prefill_queue_seconds: float | None = opt(
         None, "the prefill pool's queueSecondsPerReplica (default: unset, sized by waiting requests)")
 
     def check(self) -> None:
@@ -452,9 +449,9 @@ class _Cluster:
         ttft = [self.prefilled[i] - self.trace[i][0] for i in done]
         spike_ttft = [self.prefilled[i] - self.trace[i][0] for i in done if spike.start <= self.trace[i][0] < spike.end]
         wait = [self.admitted[i] - self.prefilled[i] for i in done if not math.isnan(self.admitted[i])]
-        latency = {"ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-                   "ttft_spike_p99_s": percentile(spike_ttft, 0.99),
-                   "decode_wait_p50_s": percentile(wait, 0.5), "decode_wait_p99_s": percentile(wait, 0.99)}
+        latency = {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+                   "ttft_spike_p99_s": percentile(spike_ttft, 99),
+                   "decode_wait_p50_s": percentile(wait, 50), "decode_wait_p99_s": percentile(wait, 99)}
         return SetupResult(name, pod_minutes, {p: max(n for _, n in self.routable_changes[p]) for p in POOLS},
                            latency, len(self.dropped), {p: self._to_capacity(p, spike, needed[p]) for p in POOLS},
                            tuple(self.ticks), tuple(self.decisions))
@@ -465,14 +462,6 @@ class _Cluster:
             return 0.0
         return next((t - spike.start for t, n in self.routable_changes[pool] if spike.start < t <= spike.end
                      and n >= needed), None)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest rank; nan for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def simulate(config: SimConfig = SimConfig()) -> SimResult:
@@ -580,22 +569,3 @@ def report_text(result: SimResult, decisions: bool = False) -> str:
         lines += [f"  {_clock(d.time)}  {d.pool:7s} {d.from_replicas}→{d.to_replicas}  {d.reason}"
                   for d in auto.decisions]
     return "\n".join(lines)
-
-
-def run(args) -> int:
-    """`tandem bench autoscale`: args carries SimConfig's fields, json and decisions."""
-    import json
-    import sys
-
-    from tandem.server.cli import config_from_args
-
-    try:
-        result = simulate(config_from_args(args, SimConfig))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report_dict(result, args.decisions)))
-    else:
-        print(report_text(result, args.decisions))
-    return 0

@@ -17,6 +17,7 @@ VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SHORT_NAME = "tisvc"
+POOLS = ("prefill", "decode")  # an InferenceService's two server pools, in this order everywhere
 
 # Pod, Service and StatefulSet names are built from the InferenceService's name; a StatefulSet's
 # pods carry a `controller-revision-hash` label of `<statefulset>-<10 chars>`, which must fit in 63.
@@ -205,7 +206,7 @@ class DecodeAutoscaling(PoolAutoscaling):
 
 
 @dataclass(frozen=True)
-class PrometheusSource:
+class PrometheusSpec:
     """Read the servers' signals from Prometheus instead of scraping each pod."""
 
     url: str | None = api_field(None, "Base URL of the Prometheus HTTP API, e.g. "
@@ -221,8 +222,8 @@ class AutoscalingSpec:
     enabled: bool = api_field(False, "Let the operator set each pool's replicas (spec replicas is then "
                               "the starting size).")
     interval_seconds: int = api_field(15, "Seconds between samples and decisions.", minimum=1)
-    prometheus: PrometheusSource = api_field(PrometheusSource(), "Optional: where to read signals. "
-                                             "Default: each ready server's /metrics.")
+    prometheus: PrometheusSpec = api_field(PrometheusSpec(), "Optional: where to read signals. "
+                                         "Default: each ready server's /metrics.")
     router_settle_seconds: int = api_field(
         60, "A server taken out of the router's worker list keeps serving at least this long before its "
         "pod may be removed (kubelet ConfigMap sync plus the router's reread).", minimum=0)

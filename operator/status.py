@@ -8,20 +8,22 @@ Condition semantics (each keeps its lastTransitionTime while its status does not
     Ready                        all three of the above
     Progressing                  something is still rolling out or starting
     Degraded                     the spec can never work (phase Failed) or an owned object is missing
-    AutoscalerHealthy            written by the autoscaler (scaler.py): False while a pool's metrics
-                                 are stale; Unknown while autoscaling is off or before its first sample
+    AutoscalerHealthy            from the autoscaler's tick (`with_autoscaler`): False while a pool's
+                                 metrics are stale; Unknown while autoscaling is off or before its
+                                 first sample
 
-The autoscaler's per-pool fields (lastScaling, signals, draining) are its own: they are carried
-over from the previous status here, and `desiredReplicas` is the Instance's routed size.
+The autoscaler's per-pool fields (lastScaling, signals, draining) are its own: its tick returns
+them typed (AutoscalerStatus), `with_autoscaler` writes them into status, and `compute_status`
+carries them over from the previous status; `desiredReplicas` is the Instance's routed size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.operator.render import POOLS, Instance
+from tandem.operator.render import Instance
 from tandem.operator.schema import to_wire
-from tandem.operator.spec import Condition, PoolStatus, RouterStatus
+from tandem.operator.spec import POOLS, Condition, Drain, PoolSignals, PoolStatus, RouterStatus, ScalingDecision
 
 CONDITION_TYPES = ("Ready", "PrefillReady", "DecodeReady", "RouterReady", "Progressing", "Degraded",
                    "AutoscalerHealthy")
@@ -47,6 +49,27 @@ def _rollout(obj: dict | None, desired: int) -> tuple[int, int, bool]:
     return pods, ready, current and ready >= desired and updated >= desired and pods == updated
 
 
+@dataclass(frozen=True)
+class AutoscaledPool:
+    """The autoscaler's fields of status.<pool> (spec.PoolStatus) after a tick."""
+
+    desired_replicas: int
+    last_scaling: ScalingDecision | None = None  # this tick's change or an earlier one
+    signals: PoolSignals | None = None  # None when no ready server could be read
+    draining: Drain | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalerStatus:
+    """The autoscaler's part of an InferenceService's status after a tick."""
+
+    time: str  # when the tick ran
+    prefill: AutoscaledPool
+    decode: AutoscaledPool
+    healthy: bool  # every pool's metrics are fresh
+    message: str  # per pool: the servers read, or why its metrics are stale
+
+
 AUTOSCALER_FIELDS = ("lastScaling", "signals", "draining")
 
 
@@ -64,10 +87,12 @@ def _pool_status(obj: dict | None, desired: int, autoscaler: dict) -> tuple[dict
 
 
 class _Conditions:
-    """Builds the condition list, carrying lastTransitionTime over from the previous status."""
+    """Builds every condition tandem writes, carrying lastTransitionTime over from the previous
+    status. `items` holds the conditions set or kept here, in that order."""
 
-    def __init__(self, previous: list[dict], generation: int, now: str):
-        self.previous = {c.get("type"): c for c in previous or []}
+    def __init__(self, previous: list[dict] | None, generation: int, now: str):
+        self.listed = previous or []
+        self.previous = {c.get("type"): c for c in self.listed}
         self.generation, self.now = generation, now
         self.items: list[dict] = []
 
@@ -78,6 +103,15 @@ class _Conditions:
         self.items.append(to_wire(Condition(type=type_, status=value, reason=reason, message=message,
                                             last_transition_time=since or self.now,
                                             observed_generation=self.generation)))
+
+    def keep(self, type_: str) -> None:
+        """Carry the previous condition of this type over unchanged."""
+        self.items.append(self.previous[type_])
+
+    def others(self) -> list[dict]:
+        """The previous conditions of the types not set or kept here, in their order."""
+        mine = {c["type"] for c in self.items}
+        return [c for c in self.listed if c.get("type") not in mine]
 
 
 def compute_status(inst: Instance, generation: int, observed: Observed, previous: dict | None, now: str) -> dict:
@@ -110,7 +144,7 @@ def compute_status(inst: Instance, generation: int, observed: Observed, previous
               f"missing: {', '.join(missing)} (being recreated)" if missing else "")
     health = conds.previous.get("AutoscalerHealthy")
     if scaling and health and health.get("reason") != "AutoscalingDisabled":
-        conds.items.append(health)
+        conds.keep("AutoscalerHealthy")
     elif scaling:
         conds.set("AutoscalerHealthy", None, "Starting", "waiting for the first sample of the pools' metrics")
     else:
@@ -129,5 +163,20 @@ def invalid_status(generation: int, message: str, previous: dict | None, now: st
     conds.set("Ready", False, "InvalidSpec", message)
     conds.set("Progressing", False, "InvalidSpec", "waiting for a spec that can be applied")
     conds.set("Degraded", True, "InvalidSpec", message)
-    kept = [c for c in previous.get("conditions", []) if c.get("type") not in ("Ready", "Progressing", "Degraded")]
-    return {"observedGeneration": generation, "phase": "Failed", "conditions": conds.items + kept}
+    return {"observedGeneration": generation, "phase": "Failed", "conditions": conds.items + conds.others()}
+
+
+def with_autoscaler(status: dict, scaled: AutoscalerStatus) -> dict:
+    """`status` with an autoscaler tick written in: each pool's desiredReplicas and autoscaler
+    fields, and the AutoscalerHealthy condition. The only place they are serialized."""
+    out = dict(status)
+    for pool in POOLS:
+        wire = to_wire(getattr(scaled, pool))
+        # Explicit nulls: status is merge-patched, and a field the autoscaler dropped must go.
+        out[pool] = {**(status.get(pool) or {}),
+                     **{key: wire.get(key) for key in ("desiredReplicas", *AUTOSCALER_FIELDS)}}
+    conds = _Conditions(status.get("conditions"), status.get("observedGeneration") or 0, scaled.time)
+    conds.set("AutoscalerHealthy", scaled.healthy, "MetricsFresh" if scaled.healthy else "MetricsStale",
+              scaled.message)
+    out["conditions"] = conds.others() + conds.items
+    return out

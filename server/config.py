@@ -1,52 +1,50 @@
-"""Engine configuration: frozen dataclasses, the single source of defaults.
+"""Server configuration: frozen dataclasses, the single source of defaults.
 
-The CLI flags are generated from these fields (see `cli.add_config_arguments`); each field's
-`help` metadata is its documentation. Values discovered at run time (number of KV pages, EOS ids,
+The CLI flags are generated from these fields (`tandem.common.options`); each field's `help`
+metadata is its documentation. Values discovered at run time (number of KV pages, EOS ids,
 context length of the loaded model) are returned by the components that find them and never
 written back here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from tandem.common.options import opt
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
-
-
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = _opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, a HF safetensors directory, or hf:<org>/<name> from the local HF cache")
-    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "weight and activation dtype")
-    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    attention_backend: Literal["auto", "torch", "flashinfer"] = _opt(
+    model: str = opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, a HF safetensors directory, or hf:<org>/<name> from the local HF cache")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "weight and activation dtype")
+    device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    attention_backend: Literal["auto", "torch", "flashinfer"] = opt(
         "auto", "attention kernels: flashinfer on CUDA, torch elsewhere"
     )
-    page_size: int = _opt(16, "tokens per KV page")
-    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from --kv-memory-fraction)")
-    kv_memory_fraction: float = _opt(
+    page_size: int = opt(16, "tokens per KV page")
+    max_total_tokens: int | None = opt(None, "KV pool size in tokens (default: from --kv-memory-fraction)")
+    kv_memory_fraction: float = opt(
         0.25, "fraction of free device memory given to the KV pool when --max-total-tokens is unset"
     )
-    max_running_requests: int = _opt(64, "requests that may hold a slot (prefilling or decoding) at once")
-    max_queued_requests: int = _opt(1024, "requests that may wait beyond the running ones; more are refused")
-    max_prefill_tokens: int = _opt(8192, "prompt tokens admitted into one forward pass")
-    chunked_prefill_size: int = _opt(2048, "longest prompt piece prefilled in one step; 0 disables chunking")
-    enable_mixed_chunk: bool = _opt(False, "run a prefill chunk in the same forward pass as the running decodes")
-    schedule_policy: Literal["fcfs", "lpm"] = _opt("fcfs", "waiting-queue order: first come, or longest prefix match")
-    disable_radix_cache: bool = _opt(False, "use a plain chunk cache instead of the radix prefix cache")
-    context_length: int | None = _opt(None, "override the model's context length")
-    default_max_new_tokens: int = _opt(
+    max_running_requests: int = opt(64, "requests that may hold a slot (prefilling or decoding) at once")
+    max_queued_requests: int = opt(1024, "requests that may wait beyond the running ones; more are refused")
+    max_prefill_tokens: int = opt(8192, "prompt tokens admitted into one forward pass")
+    chunked_prefill_size: int = opt(2048, "longest prompt piece prefilled in one step; 0 disables chunking")
+    enable_mixed_chunk: bool = opt(False, "run a prefill chunk in the same forward pass as the running decodes")
+    schedule_policy: Literal["fcfs", "lpm"] = opt("fcfs", "waiting-queue order: first come, or longest prefix match")
+    disable_radix_cache: bool = opt(False, "use a plain chunk cache instead of the radix prefix cache")
+    context_length: int | None = opt(None, "override the model's context length")
+    default_max_new_tokens: int = opt(
         16384, "output limit for requests that give none (further capped by the context length)"
     )
-    init_new_token_ratio: float = _opt(0.7, "share of each running request's remaining output reserved at start")
-    min_new_token_ratio: float = _opt(0.1, "floor the reserve ratio decays to")
-    new_token_ratio_decay_steps: int = _opt(600, "decode steps to decay the reserve ratio from init to min")
-    seed: int = _opt(0, "seed for requests that bring none")
-    num_threads: int | None = _opt(None, "torch CPU threads (default: all cores)")
+    init_new_token_ratio: float = opt(0.7, "share of each running request's remaining output reserved at start")
+    min_new_token_ratio: float = opt(0.1, "floor the reserve ratio decays to")
+    new_token_ratio_decay_steps: int = opt(600, "decode steps to decay the reserve ratio from init to min")
+    seed: int = opt(0, "seed for requests that bring none")
+    num_threads: int | None = opt(None, "torch CPU threads (default: all cores)")
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for values that can never work."""
@@ -74,26 +72,26 @@ class EngineConfig:
 class DisaggConfig:
     """The server's role and, for prefill and decode, how KV moves between them."""
 
-    role: Literal["colocated", "prefill", "decode"] = _opt(
+    role: Literal["colocated", "prefill", "decode"] = opt(
         "colocated", "colocated (no KV connector), prefill (runs prompts, sends KV) or decode (receives KV, generates)"
     )
-    bootstrap_port: int = _opt(8998, "prefill: port of the bootstrap service decode servers meet it on")
-    advertise_host: str | None = _opt(
+    bootstrap_port: int = opt(8998, "prefill: port of the bootstrap service decode servers meet it on")
+    advertise_host: str | None = opt(
         None, "address peers reach this server's bootstrap service and Mooncake engine at (default: --host, "
         "or this machine's address when --host is 0.0.0.0)"
     )
-    kv_transfer_protocol: Literal["tcp", "rdma"] = _opt("tcp", "Mooncake transport: tcp, or rdma with --ib-device")
-    ib_device: str = _opt("", "RDMA devices for Mooncake, comma-separated (e.g. mlx5_0,mlx5_1)")
-    bootstrap_timeout: float = _opt(
+    kv_transfer_protocol: Literal["tcp", "rdma"] = opt("tcp", "Mooncake transport: tcp, or rdma with --ib-device")
+    ib_device: str = opt("", "RDMA devices for Mooncake, comma-separated (e.g. mlx5_0,mlx5_1)")
+    bootstrap_timeout: float = opt(
         30.0, "seconds a leg waits for its peer leg: prefill for the decode to register its pages, decode for "
         "the prefill request to arrive (and for free KV pages to reserve)"
     )
-    transfer_timeout: float = _opt(
+    transfer_timeout: float = opt(
         300.0, "seconds a decode request waits for its KV once both legs are paired (prefill queueing, "
         "forward pass and transfer)"
     )
-    peer_timeout: float = _opt(3.0, "seconds a peer's bootstrap service may stay unreachable before its requests fail")
-    peer_heartbeat_interval: float = _opt(
+    peer_timeout: float = opt(3.0, "seconds a peer's bootstrap service may stay unreachable before its requests fail")
+    peer_heartbeat_interval: float = opt(
         5.0, "decode: seconds between liveness checks of each prefill it is registered with (offline after two "
         "missed in a row); prefill: how long a leaving server waits for its decode peers to hear it"
     )
@@ -110,3 +108,18 @@ class DisaggConfig:
         for name, ok, limit in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is invalid: must be {limit}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The serving process around the engine: where it listens, what it is called, how it drains."""
+
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(30000, "gRPC port (SGLang scheduler protocol and grpc.health.v1)")
+    metrics_port: int = opt(30001, "Prometheus /metrics port")
+    served_model_name: str | None = opt(None, "model id clients use (default: the model's name)")
+    drain_grace_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65536 or not 0 < self.metrics_port < 65536 or self.port == self.metrics_port:
+            raise ValueError(f"--port={self.port} / --metrics-port={self.metrics_port}: need two distinct ports in 1-65535")

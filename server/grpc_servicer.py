@@ -8,6 +8,7 @@ request can never fit its KV pool, UNAVAILABLE while loading or draining.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import logging
@@ -62,6 +63,12 @@ class ServingState:
         self._draining.set()
 
 
+# SamplingParams fields the proto's SamplingParams carries under the same name (the logprob
+# settings ride on GenerateRequest; the proto has no seed).
+_PROTO_FIELDS = {f.name: f.is_repeated for f in pb.SamplingParams.DESCRIPTOR.fields
+                 if f.name in {g.name for g in dataclasses.fields(SamplingParams)}}
+
+
 def to_sampling_params(sp: pb.SamplingParams, request: pb.GenerateRequest) -> SamplingParams:
     """Proto -> engine params. Proto3 scalars have no 'unset' (0 is the default), so the router
     always sends every field; only max_new_tokens has explicit presence."""
@@ -69,21 +76,17 @@ def to_sampling_params(sp: pb.SamplingParams, request: pb.GenerateRequest) -> Sa
         raise InvalidRequestError("sampling_params.constraint", "structured output (regex/json_schema/ebnf) is not supported")
     if request.top_logprobs_num < 0:
         raise InvalidRequestError("top_logprobs_num", f"must be >= 0, got {request.top_logprobs_num}")
-    return SamplingParams(
-        max_new_tokens=sp.max_new_tokens if sp.HasField("max_new_tokens") else None,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        repetition_penalty=sp.repetition_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        presence_penalty=sp.presence_penalty,
-        stop=tuple(sp.stop),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        logprobs=request.return_logprob,
-        top_logprobs=request.top_logprobs_num if request.return_logprob else 0,
-    )
+    values = {name: tuple(getattr(sp, name)) if repeated else getattr(sp, name) for name, repeated in _PROTO_FIELDS.items()}
+    values["max_new_tokens"] = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
+    return SamplingParams(**values, logprobs=request.return_logprob,
+                          top_logprobs=request.top_logprobs_num if request.return_logprob else 0)
+
+
+def sampling_params_message(params: SamplingParams) -> pb.SamplingParams:
+    """Engine params -> proto, for clients: one choice, special tokens skipped. (The logprob
+    settings go on the GenerateRequest; a seed cannot be sent.)"""
+    values = {name: getattr(params, name) for name in _PROTO_FIELDS if getattr(params, name) is not None}
+    return pb.SamplingParams(**values, skip_special_tokens=True, n=1)
 
 
 def _logprobs(out_ids: list[int], lps: list[float], tops: list) -> pb.OutputLogProbs:

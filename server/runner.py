@@ -52,21 +52,7 @@ class ModelRunner:
             return StepOutput(next_tokens)
         logits = self.model.logits(hidden[torch.tensor([r for _, r in last_rows], device=dev)])
         seqs = [plan.seqs[i] for i, _ in last_rows]
-        rows = [
-            SamplingRow(
-                temperature=s.params.temperature,
-                top_k=s.params.top_k,
-                top_p=s.params.top_p,
-                min_p=s.params.min_p,
-                repetition_penalty=s.params.repetition_penalty,
-                frequency_penalty=s.params.frequency_penalty,
-                presence_penalty=s.params.presence_penalty,
-                seed=s.seed,
-                history=s.history if s.params.has_penalties else None,
-                prompt_len=s.prompt_len,
-            )
-            for s in seqs
-        ]
+        rows = [SamplingRow(s.params, s.seed, s.history if s.params.has_penalties else None, s.prompt_len) for s in seqs]
         want_lp = any(s.params.logprobs for s in seqs)
         num_top = max(s.params.top_logprobs for s in seqs)
         ids, lps, tops = sample(logits, rows, num_top, want_lp)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.common.options import opt
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -27,24 +29,23 @@ class CapacityError(InvalidRequestError):
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    `temperature == 0` (or `top_k == 1`) means greedy. `top_k` of -1 or 0 disables top-k.
-    `max_new_tokens=None` lets the engine pick its limit (context length minus prompt).
+    The command line's sampling flags are generated from these fields (`tandem.common.options`).
     """
 
-    max_new_tokens: int | None = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
+    max_new_tokens: int | None = opt(128, "tokens to generate at most (none: up to the context length)")
+    temperature: float = opt(1.0, "softmax temperature; 0 is greedy")
+    top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass")
+    top_k: int = opt(-1, "keep the k most likely tokens; -1 or 0 keeps all, 1 is greedy")
+    min_p: float = opt(0.0, "drop tokens less likely than min_p times the most likely one")
+    repetition_penalty: float = opt(1.0, "divide the positive logits (multiply the negative ones) of tokens seen in prompt or output by this")
+    frequency_penalty: float = opt(0.0, "subtract this times each token's count in the output from its logit")
+    presence_penalty: float = opt(0.0, "subtract this from the logit of each token the output has")
+    seed: int | None = opt(None, "seed of this request's draws (none: the server picks one)")
+    stop: tuple[str, ...] = opt((), "stop when the output text contains this string")
+    stop_token_ids: tuple[int, ...] = opt((), "stop after this token id")
+    ignore_eos: bool = opt(False, "keep generating past the model's end-of-sequence tokens")
+    logprobs: bool = opt(False, "return each output token's logprob")
+    top_logprobs: int = opt(0, "with --logprobs, also return this many most likely alternatives per token")
 
     @property
     def has_penalties(self) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 from tandem.server.memory import KVMemory
 from tandem.server.plan import Phase, SeqPlan, StepOutput, StepPlan
@@ -29,6 +28,10 @@ class SchedulerConfig:
     init_new_token_ratio: float
     min_new_token_ratio: float
     new_token_ratio_decay_steps: int
+    # Every request that ends here goes to `handed_off` with what it holds, for its next owner (a
+    # prefill's KV connector, which still has to send its KV) to take and free; otherwise the
+    # scheduler frees it.
+    hand_off_finished: bool = False
 
 
 @dataclass
@@ -43,18 +46,17 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """`keep_kv(req)` is asked when a request ends with its pages still held: True means the
-    caller (a prefill's KV connector, which still has to send them) took the pages over and
-    releases them itself; False (the default) releases them now."""
+    """Owns the waiting queue, the running batch and the chunked request, and every change of a
+    request's status and finish, including those of requests other owners hold (`end_elsewhere`)."""
 
-    def __init__(self, config: SchedulerConfig, memory: KVMemory, keep_kv: Callable[[Request], bool] | None = None):
+    def __init__(self, config: SchedulerConfig, memory: KVMemory):
         self.config = config
         self.memory = memory
-        self.keep_kv = keep_kv or (lambda req: False)
         self.page_size = memory.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # hold a slot and have sampled at least once
         self.chunked: Request | None = None  # holds a slot, prompt only partly computed
+        self.handed_off: list[Request] = []  # ended, still holding what they held (hand_off_finished)
         self.ratio = NewTokenRatio(
             config.init_new_token_ratio, config.min_new_token_ratio, config.new_token_ratio_decay_steps
         )
@@ -93,6 +95,19 @@ class Scheduler:
         if not req.finished:
             self._finish(req, finish)
 
+    @staticmethod
+    def end_elsewhere(req: Request, finish: Finish) -> None:
+        """End a request another owner holds (in a KV connector's queues, never in the
+        scheduler's): only its status and finish change; its owner frees what it holds."""
+        req.status = Status.FINISHED
+        req.finish = finish
+
+    def take_handed_off(self) -> list[Request]:
+        """The requests that ended since the last call, with what they hold (hand_off_finished):
+        from now on the caller's to free."""
+        taken, self.handed_off = self.handed_off, []
+        return taken
+
     def _all(self):
         yield from self.waiting
         if self.chunked is not None:
@@ -113,7 +128,7 @@ class Scheduler:
         return len(self.running) + (self.chunked is not None)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.handed_off)
 
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -298,13 +313,16 @@ class Scheduler:
             self.running.remove(req)
         req.status = Status.FINISHED
         req.finish = finish
-        if not self.keep_kv(req):
+        if self.config.hand_off_finished:
+            self.handed_off.append(req)
+        else:
             self.memory.release(req)
 
     def check_integrity(self, held_elsewhere: list[Request] = ()) -> None:
         """`held_elsewhere`: requests holding slots outside the scheduler (a KV connector's)."""
         self.memory.check_integrity()
         holders = self.running + ([self.chunked] if self.chunked is not None else []) + list(held_elsewhere)
+        holders += [r for r in self.handed_off if r.slot is not None]
         assert len(holders) == len({r.rid for r in holders}), "a request is running twice"
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
         assert self.memory.slots.num_free == self.memory.slots.num_slots - len(holders), "slots leaked"

@@ -14,12 +14,12 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.server.config import DisaggConfig, EngineConfig
+from tandem.server.config import DisaggConfig, EngineConfig, ServeConfig
 
 log = logging.getLogger("tandem.serve")
 
@@ -34,23 +34,6 @@ GRPC_OPTIONS = [
 ]
 
 
-def _opt(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(30000, "gRPC port (SGLang scheduler protocol and grpc.health.v1)")
-    metrics_port: int = _opt(30001, "Prometheus /metrics port")
-    served_model_name: str | None = _opt(None, "model id clients use (default: the model's name)")
-    drain_grace_seconds: float = _opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
-
-    def validate(self) -> None:
-        if not 0 < self.port < 65536 or not 0 < self.metrics_port < 65536 or self.port == self.metrics_port:
-            raise ValueError(f"--port={self.port} / --metrics-port={self.metrics_port}: need two distinct ports in 1-65535")
-
-
 class Server:
     """One serving process: build with `Server(engine_config, serve_config)`, then `start()`,
     `wait()`; `drain()` from any thread (the signal handler calls it)."""
@@ -59,17 +42,17 @@ class Server:
         from tandem.server.engine import Engine
         from tandem.server.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
         from tandem.server.metrics import Metrics
+        from tandem.server.model.loader import resolve_model
         from tandem.server.tokenizer import tokenizer_dir
 
         config.validate()
         disagg = disagg or DisaggConfig()
         self.config = config
         self.state = ServingState()
-        self.engine = Engine(engine_config, observer=None, disagg=disagg, host=config.host, port=config.port)
-        model = self.engine.model
-        name = config.served_model_name or model.source.name
+        name = config.served_model_name or resolve_model(engine_config.model).name
         self.metrics = Metrics(disagg.role, name)
-        self.engine.observer = self.metrics
+        self.engine = Engine(engine_config, observer=self.metrics, disagg=disagg, host=config.host, port=config.port)
+        model = self.engine.model
         self.metrics.bind(lambda: self.engine.snapshot)
         tokenizer_path = str(tokenizer_dir(model.source).resolve())
         identity = ServerIdentity(
@@ -94,6 +77,7 @@ class Server:
         self._stopped = threading.Event()
 
     def start(self) -> None:
+        self.engine.start()
         self.metrics_server = self.metrics.serve(self.config.host, self.config.metrics_port)
         self.grpc.start()
         for service in ("", "sglang.grpc.scheduler.SglangScheduler"):

@@ -1,11 +1,15 @@
 """Shared fixtures: the built-in model loaded once per session, engines that prove at teardown
-that they leaked nothing, and the HF transformers reference running the same GGUF weights."""
+that they leaked nothing, and the HF transformers reference running the same GGUF weights
+(support/checks.py). Each test is marked with its tier, the folder it lives in."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+from support.checks import HFReference, assert_engine_clean
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,20 +22,6 @@ def smollm_fp32():
     return load_model("builtin:smollm2-135m", "float32", "cpu")
 
 
-def assert_engine_clean(engine) -> None:
-    """Nothing running or waiting; every page free or held (unpinned) by the prefix cache."""
-
-    def check():
-        engine.scheduler.check_integrity()
-        mem = engine.memory
-        assert not engine.scheduler.has_work(), "requests still queued or running"
-        assert mem.slots.num_free == mem.slots.num_slots, "a slot is still held"
-        assert mem.allocator.num_free + mem.cache.num_pages == mem.num_pages, "pages held outside the cache"
-        assert mem.cache.num_evictable == mem.cache.num_pages, "cached pages still pinned"
-
-    engine.call(check)
-
-
 @pytest.fixture
 def make_engine(smollm_fp32):
     """Factory: make_engine(**EngineConfig overrides) -> a running Engine on the shared fp32 model."""
@@ -42,7 +32,7 @@ def make_engine(smollm_fp32):
 
     def make(**overrides):
         overrides.setdefault("max_total_tokens", 16384)
-        engine = Engine(EngineConfig(**overrides), model=smollm_fp32)
+        engine = Engine(EngineConfig(**overrides), model=smollm_fp32).start()
         engines.append(engine)
         return engine
 
@@ -55,65 +45,24 @@ def make_engine(smollm_fp32):
             engine.shutdown()
 
 
-class HFReference:
-    """Greedy decoding with HF transformers on the same GGUF weights (float32, CPU), recording the
-    top-2 logit gap at every generated position. Results are memoized per (prompt, length)."""
-
-    def __init__(self):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from tandem.server.model.loader import resolve_model
-
-        source = resolve_model("builtin:smollm2-135m")
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
-        ).eval()
-        self._memo: dict = {}
-
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in self._memo:
-            torch = self.torch
-            tokens, gaps = [], []
-            with torch.inference_mode():
-                out = self.model(torch.tensor([prompt_ids]), use_cache=True)
-                for _ in range(max_new_tokens):
-                    logits = out.logits[0, -1].float()
-                    top2 = logits.topk(2).values
-                    gaps.append(float(top2[0] - top2[1]))
-                    nxt = int(logits.argmax())
-                    tokens.append(nxt)
-                    out = self.model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-            self._memo[key] = (tokens, gaps)
-        return self._memo[key]
-
-
 @pytest.fixture(scope="session")
 def hf_reference():
     return HFReference()
 
 
-def assert_matches_reference(got: list[int], want: list[int], gaps: list[float], label: str = "") -> None:
-    """Token-identical, except that a divergence is tolerated where the reference's top-2 logit
-    gap is below 1e-3 (a near tie that float rounding may flip); comparison stops there."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            assert gaps[i] < 1e-3, (
-                f"{label}: token {i} differs ({a} != {b}) where the reference's top-2 gap is {gaps[i]:.3g}"
-            )
-            return
-    assert len(got) == len(want), f"{label}: {len(got)} tokens, reference has {len(want)}"
+TIERS = ("unit", "engine", "e2e", "packaging")  # tests/<tier>/: each is also a marker (`pytest -m unit`)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are skipped, and only skipped, where CUDA is absent."""
+    """Every test is marked with its tier (its folder). Tests marked `gpu` are skipped, and only
+    skipped, where CUDA is absent."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    tests = Path(__file__).resolve().parent
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
+        tier = Path(item.fspath).resolve().relative_to(tests).parts[0]
+        assert tier in TIERS, f"{item.nodeid}: tests live in tests/<tier>/, one of {TIERS}"
+        item.add_marker(tier)
+        if skip_gpu is not None and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)

@@ -1,51 +1,81 @@
 """KVConnector: what a role plugs into the engine loop. The loop calls the same hooks for every
-role; this base class is the colocated server (no connector work at all).
+role; this base class is the colocated server (new requests go straight to the scheduler).
+
+The contract runs one way each step: the loop hands `poll()` what the scheduler reports (the
+requests that ended there, when the role takes them over, and the KV the running requests keep
+for their output), and applies the ConnectorEvents it returns through the scheduler. A connector
+never calls the scheduler, and never sets a request's status or finish: it says which requests
+to admit, which arrived with their KV, which to abort, and which of its own ended, and why.
 
 Ownership: a request the connector holds (a prefill's bootstrap or inflight queue, a decode's
-prealloc and transfer queues) is not in the scheduler. Pages and slots it holds are in KVMemory
-like any other request's and are listed by `held()` for the integrity check.
+prealloc and transfer queues, a decode's quarantine) is not in the scheduler. Pages and slots it
+holds are in KVMemory like any other request's and are listed by `held()` for the integrity check.
 """
 
 from __future__ import annotations
 
+import socket
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
-from tandem.server.request import Finish, Request, Status
+from tandem.kernels.kv_cache import PagedKVCache
+from tandem.server.config import DisaggConfig
+from tandem.server.disagg.layout import KVLayout
+from tandem.server.memory import KVMemory
+from tandem.server.request import Finish, Request
+
+
+@dataclass
+class ConnectorEvents:
+    """What one poll asks of the loop, which applies it through the scheduler."""
+
+    admit: list[Request] = field(default_factory=list)  # into the scheduler's waiting queue
+    arrived: list[tuple[Request, int]] = field(default_factory=list)  # KV in place: run with this first token
+    aborts: list[tuple[str, str, str | None]] = field(default_factory=list)  # (rid, message, code): end these
+    ended: list[tuple[Request, Finish]] = field(default_factory=list)  # held here, ended; pages stay with us
+
+    def end(self, req: Request, message: str, code: str | None) -> None:
+        self.ended.append((req, Finish("abort", message=message, code=code)))
 
 
 class KVConnector:
     role = "colocated"
+    # The scheduler hands every request that ends there, with what it holds, to poll() (a
+    # prefill still has to send its KV); otherwise it frees them itself.
+    takes_finished = False
+    # The most tokens a request generates on this role (a prefill makes the first one only).
+    max_new_tokens: int | None = None
 
-    def __init__(self) -> None:
-        self.scheduler = None  # set by attach()
-        self.on_transfer: Callable[[float], None] = lambda seconds: None
-
-    def attach(self, scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, on_transfer: Callable[[float], None] = lambda seconds: None) -> None:
+        self.on_transfer = on_transfer  # seconds one request's KV took to move
+        self._new: list[Request] = []
 
     def check_request(self, req: Request) -> None:
         """On the caller's thread, before the request is queued: raise InvalidRequestError for a
-        request this role can never serve; may adjust the request (a prefill makes one token)."""
+        request this role can never serve."""
 
     def add(self, req: Request) -> None:
-        """A new request (engine loop)."""
-        self.scheduler.add(req)
+        """A new request (engine loop); the connector owns it until a poll admits it."""
+        self._new.append(req)
 
-    def keep_kv(self, req: Request) -> bool:
-        """The scheduler ended `req`; True takes its pages over (see Scheduler)."""
-        return False
-
-    def poll(self) -> list[Request]:
-        """Advance the connector's queues; returns the requests that got output or ended."""
-        return []
+    def poll(self, finished: list[Request], reserved_tokens: int) -> ConnectorEvents:
+        """Advance the connector's queues. `finished`: requests that ended in the scheduler since
+        the last poll, now this connector's (only with `takes_finished`); `reserved_tokens`: KV
+        the running requests keep for their output, which admission must leave them."""
+        events, self._new = ConnectorEvents(admit=self._new), []
+        return events
 
     def abort(self, rid: str, message: str) -> Request | None:
-        """End a request the connector holds; None if it holds no such request."""
-        return None
+        """Take a request the connector holds out of its queues (its pages freed, or quarantined
+        while a peer may still write them); the loop ends it. None if it holds no such request."""
+        req = next((r for r in self._new if r.rid == rid), None)
+        if req is not None:
+            self._new.remove(req)
+        return req
 
     def has_work(self) -> bool:
-        return False
+        return bool(self._new)
 
     def drain(self) -> None:
         """The server is shutting down (SIGTERM): take no new work from peers; the requests in
@@ -57,7 +87,7 @@ class KVConnector:
 
     def idle_wait(self) -> float | None:
         """How long the loop may sleep when the scheduler has nothing to run (None: until woken)."""
-        return None
+        return 0.0 if self._new else None
 
     def held(self) -> list[Request]:
         """Requests holding a slot outside the scheduler."""
@@ -71,11 +101,22 @@ class KVConnector:
         pass
 
 
-def end(req: Request, message: str, code: str | None) -> Request:
-    """Finish a request held outside the scheduler (it holds no slot, or its owner frees it)."""
-    req.status = Status.FINISHED
-    req.finish = Finish("abort", message=message, code=code)
-    return req
+def create_connector(disagg: DisaggConfig, host: str, port: int | None, layout: KVLayout, kv_cache: PagedKVCache,
+                     memory: KVMemory, wake: Callable[[], None], on_transfer: Callable[[float], None]) -> KVConnector:
+    """The KV connector of `disagg.role`. A prefill's bootstrap service listens on `host`; peers
+    reach this server at the advertised host, and a decode is named by it and its gRPC `port`
+    (a successor at the same address replaces its predecessor on each prefill)."""
+    if disagg.role == "colocated":
+        return KVConnector(on_transfer)
+    advertise = disagg.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname()))
+    if disagg.role == "prefill":
+        from tandem.server.disagg.prefill import PrefillConnector
+
+        return PrefillConnector(disagg, host, advertise, layout, kv_cache, memory, wake, on_transfer)
+    from tandem.server.disagg.decode import DecodeConnector
+
+    name = f"{advertise}:{port}" if port else None
+    return DecodeConnector(disagg, advertise, layout, kv_cache, memory, wake, on_transfer, name)
 
 
 def deadline(seconds: float) -> float:

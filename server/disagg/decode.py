@@ -21,6 +21,7 @@ closes its bootstrap service only after its last write), then they are released.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -29,8 +30,9 @@ from typing import Callable
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
-from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError, new_instance_id
-from tandem.server.disagg.connector import KVConnector, deadline, end
+from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError
+from tandem.server.disagg.rooms import RoomState, new_instance_id
+from tandem.server.disagg.connector import ConnectorEvents, KVConnector, deadline
 from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch, prompt_digest
 from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer
 from tandem.server.memory import KVMemory
@@ -43,7 +45,19 @@ STATUS_INTERVAL_S = 0.1  # room-state polls per prefill peer while requests wait
 PEER_RETRY_S = 1.0  # a failed handshake is retried for requests arriving this much later
 HEARTBEAT_MISSES = 2  # heartbeats missed in a row that mark a prefill offline
 LEAVE_TIMEOUT_S = 2.0  # on shutdown, how long telling the prefills may take
-FINISHED_ROOM_STATES = ("done", "failed", "unknown")  # no write can be in flight for these
+
+
+class PeerState(enum.Enum):
+    CONNECTING = "connecting"  # handshake in flight
+    READY = "ready"  # registered with `instance`
+    FAILED = "failed"  # the handshake failed
+    GONE = "gone"  # the registration is void
+
+
+class Stage(enum.Enum):
+    PREALLOC = "prealloc"  # waiting for the handshake, a slot and pages
+    REGISTERING = "registering"  # registering the pages under the request's room
+    TRANSFER = "transfer"  # waiting for the KV and the arrival record
 
 
 @dataclass
@@ -58,7 +72,7 @@ class _Peer:
     key: tuple[str, int]  # bootstrap (host, port)
     client: BootstrapClient
     handshake: Future  # -> the prefill's answer to our registration
-    state: str = "connecting"
+    state: PeerState = PeerState.CONNECTING
     instance: str = ""  # the prefill process we registered with
     leaving: bool = False
     error: str = ""
@@ -83,7 +97,7 @@ class _Pending:
     req: Request
     peer: _Peer
     due: float  # prealloc: the bootstrap deadline
-    stage: str = "prealloc"  # prealloc | registering | transfer
+    stage: Stage = Stage.PREALLOC
     call: Future | None = None
     registered_at: float = 0.0
     retried: bool = False  # a registration refused by a restarted prefill is retried once
@@ -101,8 +115,9 @@ class DecodeConnector(KVConnector):
     role = "decode"
 
     def __init__(self, config: DisaggConfig, advertise_host: str, layout: KVLayout, kv_cache: PagedKVCache,
-                 memory: KVMemory, wake: Callable[[], None], name: str | None = None):
-        super().__init__()
+                 memory: KVMemory, wake: Callable[[], None], on_transfer: Callable[[float], None] = lambda seconds: None,
+                 name: str | None = None):
+        super().__init__(on_transfer)
         self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
         self.kv = KVBuffer(self.transfer.register(kv_cache.buffer), kv_cache.num_pages)
@@ -116,6 +131,8 @@ class DecodeConnector(KVConnector):
         self.instances: dict[tuple[str, int], str] = {}  # the last prefill instance registered with per address
         self.pending: dict[str, _Pending] = {}
         self.quarantine: list[_Quarantined] = []
+        self._events = ConnectorEvents()  # what the current poll hands the loop
+        self._headroom = 0  # pages the running requests keep for their output, as of the current poll
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0,
                          "peer_handshakes": 0, "peer_rehandshakes": 0, "peers_offline": 0}
         self.kv_bytes_per_page = 2 * layout.num_layers * layout.page_bytes
@@ -135,7 +152,7 @@ class DecodeConnector(KVConnector):
     def _peer(self, key: tuple[str, int]) -> _Peer:
         """The registration to use for a new room at a bootstrap address, handshaking if there is none."""
         peer = self.peers.get(key)
-        if peer is None or (peer.state == "failed" and time.monotonic() - peer.failed_at > PEER_RETRY_S):
+        if peer is None or (peer.state is PeerState.FAILED and time.monotonic() - peer.failed_at > PEER_RETRY_S):
             client = BootstrapClient(*key)
             peer = self.peers[key] = _Peer(key, client, self.pool.submit(self._handshake, client))
             peer.handshake.add_done_callback(lambda _: self.wake())
@@ -155,13 +172,13 @@ class DecodeConnector(KVConnector):
         return list(peers.values())
 
     def _update_peer(self, peer: _Peer, now: float) -> None:
-        if peer.state == "connecting" and peer.handshake.done():
+        if peer.state is PeerState.CONNECTING and peer.handshake.done():
             error = peer.handshake.exception()
             if error is None:
                 self._connected(peer, peer.handshake.result()["instance"], now)
             else:
                 mismatch = isinstance(error, LayoutMismatch) or getattr(error, "conflict", False)
-                peer.state, peer.failed_at = "failed", now
+                peer.state, peer.failed_at = PeerState.FAILED, now
                 peer.error, peer.code = f"handshake with prefill {peer.client.address} failed: {error}", (
                     "failed_precondition" if mismatch else "unavailable")
                 log.warning("%s", peer.error)
@@ -188,14 +205,14 @@ class DecodeConnector(KVConnector):
                 if self._same_instance(peer, answer) and not answer["known"]:
                     self._lost(peer, f"{peer} no longer knows this decode", proven=False, rehandshake=True)
             peer.heartbeat = None
-        rooms = [p.req.bootstrap.room for p in self.pending.values() if p.peer is peer and p.stage == "transfer"]
+        rooms = [p.req.bootstrap.room for p in self.pending.values() if p.peer is peer and p.stage is Stage.TRANSFER]
         rooms += [q.room for q in self.quarantine if q.peer is peer and not peer.proven_gone]
         if not rooms:
             peer.unreachable_since = None  # only a failure while requests wait on it counts
         elif peer.status_call is None and now - peer.last_poll >= STATUS_INTERVAL_S:
             peer.last_poll = now
             peer.status_call = self.pool.submit(peer.client.status, self.me, rooms)
-        if peer.state == "ready" and not peer.leaving and peer.heartbeat is None and now >= peer.next_heartbeat:
+        if peer.state is PeerState.READY and not peer.leaving and peer.heartbeat is None and now >= peer.next_heartbeat:
             peer.next_heartbeat = now + self.config.peer_heartbeat_interval
             peer.heartbeat = self.pool.submit(peer.client.heartbeat, self.me)
             peer.heartbeat.add_done_callback(lambda _: self.wake())
@@ -203,7 +220,7 @@ class DecodeConnector(KVConnector):
             self._offline(peer, f"unreachable for {self.config.peer_timeout:g}s (--peer-timeout)")
 
     def _connected(self, peer: _Peer, instance: str, now: float) -> None:
-        peer.state, peer.instance = "ready", instance
+        peer.state, peer.instance = PeerState.READY, instance
         peer.next_heartbeat = now + self.config.peer_heartbeat_interval
         self.counters["peer_handshakes"] += 1
         before = self.instances.get(peer.key)
@@ -229,7 +246,7 @@ class DecodeConnector(KVConnector):
 
     def _leaving(self, peer: _Peer) -> None:
         """The prefill is shutting down: no new rooms through this registration."""
-        if peer.state == "ready" and not peer.leaving:
+        if peer.state is PeerState.READY and not peer.leaving:
             peer.leaving = True
             self._retire(peer)
             log.info("%s is leaving: new rooms wait for its successor, its rooms in flight finish", peer)
@@ -240,11 +257,11 @@ class DecodeConnector(KVConnector):
         peer.refused = e.refused
         if peer.unreachable_since is None:
             peer.unreachable_since = now
-        if peer.state == "gone" and e.refused:
+        if peer.state is PeerState.GONE and e.refused:
             peer.proven_gone = True  # nothing listens: the process exited after its last write
 
     def _offline(self, peer: _Peer, why: str) -> None:
-        if peer.state != "ready":
+        if peer.state is not PeerState.READY:
             return
         self.counters["peers_offline"] += 1
         self._lost(peer, f"{peer} is offline: {why}", proven=peer.refused)
@@ -253,9 +270,9 @@ class DecodeConnector(KVConnector):
         """The registration is void. Requests waiting on it fail (see _advance); with
         `rehandshake`, a new handshake with the address starts now instead of on the next request."""
         peer.proven_gone |= proven
-        if peer.state == "gone":
+        if peer.state is PeerState.GONE:
             return
-        peer.state, peer.error, peer.code = "gone", message, "unavailable"
+        peer.state, peer.error, peer.code = PeerState.GONE, message, "unavailable"
         log.warning("%s", message)
         self._retire(peer)
         if rehandshake:
@@ -266,46 +283,47 @@ class DecodeConnector(KVConnector):
             del self.peers[peer.key]
 
     # -- the queues -------------------------------------------------------------------------------
-    def poll(self) -> list[Request]:
-        now = time.monotonic()
+    def poll(self, finished: list[Request], reserved_tokens: int) -> ConnectorEvents:
+        now, self._events, self._headroom = time.monotonic(), ConnectorEvents(), self.memory.pages_for(reserved_tokens)
         for peer in self._known_peers():
             self._update_peer(peer, now)
-        ended = [r for p in list(self.pending.values()) if (r := self._advance(p, now)) is not None]
+        for p in list(self.pending.values()):
+            self._advance(p, now)
         self._release_quarantined(now)
-        return ended
+        return self._events
 
-    def _advance(self, p: _Pending, now: float) -> Request | None:
-        """Move one request along; returns it when it arrived or ended."""
+    def _advance(self, p: _Pending, now: float) -> None:
+        """Move one request along: into the events once it arrived or ended."""
         req, room = p.req, p.req.bootstrap.room
-        if p.stage == "prealloc":
-            if p.peer.state == "gone" or p.peer.leaving:  # not registered yet: use the address's current peer
+        if p.stage is Stage.PREALLOC:
+            if p.peer.state is PeerState.GONE or p.peer.leaving:  # not registered yet: use the address's current peer
                 p.peer = self._peer(p.peer.key)
             peer = p.peer
-            if peer.state == "failed":
+            if peer.state is PeerState.FAILED:
                 self.counters["bootstrap_failures"] += 1
                 self.pool.submit(self._cancel, peer.client, room, peer.error)  # end the prefill leg now, if it can hear
                 return self._fail(p, peer.error, peer.code)
-            if peer.state == "ready" and (req.slot is not None or self._reserve(req)):
+            if peer.state is PeerState.READY and (req.slot is not None or self._reserve(req)):
                 self.records.clear(req.slot)
-                p.stage = "registering"
+                p.stage = Stage.REGISTERING
                 p.call = self.pool.submit(
                     peer.client.register, self.me, room, req.rid, req.prompt_len,
                     prompt_digest(req.token_ids[: req.prompt_len]), list(req.pages), req.slot,
                 )
                 p.call.add_done_callback(lambda _: self.wake())
             elif now > p.due:
-                why = "the handshake with the prefill did not finish" if peer.state != "ready" else "no KV pages or slot came free"
+                why = "the handshake with the prefill did not finish" if peer.state is not PeerState.READY else "no KV pages or slot came free"
                 self.counters["bootstrap_failures"] += 1
                 return self._fail(p, f"{why} within {self.config.bootstrap_timeout:g}s (--bootstrap-timeout)", "deadline_exceeded")
             return None
         peer = p.peer
-        if p.stage == "registering":
+        if p.stage is Stage.REGISTERING:
             if not p.call.done():
                 return None
             error = p.call.exception()
             reason = getattr(error, "reason", "")  # set on the bootstrap service's own refusals
             if error is None and self._same_instance(peer, p.call.result()):
-                p.stage, p.registered_at = "transfer", now
+                p.stage, p.registered_at = Stage.TRANSFER, now
                 return None
             if reason in ("unknown_peer", "leaving"):
                 # Refused before anything was registered: no write can come to these pages.
@@ -315,7 +333,7 @@ class DecodeConnector(KVConnector):
                     self._lost(peer, f"{peer} refused bootstrap_room {room}: {error}",
                                proven=error.instance != peer.instance, rehandshake=True)
                     if not p.retried:
-                        p.stage, p.retried = "prealloc", True  # the reserved pages stay with the request
+                        p.stage, p.retried = Stage.PREALLOC, True  # the reserved pages stay with the request
                         return self._advance(p, now)
                 self.counters["bootstrap_failures"] += 1
                 return self._fail(p, f"registering bootstrap_room {room} failed: {error}", "unavailable")
@@ -323,7 +341,7 @@ class DecodeConnector(KVConnector):
                 self.counters["bootstrap_failures"] += 1
                 code = "failed_precondition" if getattr(error, "conflict", False) else "unavailable"
                 return self._abandon(p, f"registering bootstrap_room {room} failed: {error}", code)
-            p.stage, p.registered_at = "transfer", now  # registered, but with a process already gone (below)
+            p.stage, p.registered_at = Stage.TRANSFER, now  # registered, but with a process already gone (below)
         record = self.records.read(req.slot)
         if record is not None:
             if record.room != room:
@@ -331,18 +349,18 @@ class DecodeConnector(KVConnector):
                 return self._abandon(p, f"the arrival record for bootstrap_room {record.room} landed where room {room} "
                                      "was expected (wrong room)", "internal")
             return self._arrived(p, record, now)
-        if peer.state == "gone":
+        if peer.state is PeerState.GONE:
             self.counters["kv_transfer_failures"] += 1
             message = f"the KV for bootstrap_room {room} will not arrive: {peer.error}"
             return self._fail(p, message, "unavailable") if peer.proven_gone else self._abandon(p, message, "unavailable", cancel=False)
         status = peer.statuses.get(room, {})
         state = status.get("state")
-        if state == "failed":
+        if state is RoomState.FAILED:
             self.counters["bootstrap_failures" if status["code"] == "deadline_exceeded" else "kv_transfer_failures"] += 1
             return self._fail(p, f"prefill {peer.client.address}: {status['message']}", status["code"] or "aborted")
-        if state == "unknown":
+        if state is RoomState.UNKNOWN:
             return self._abandon(p, f"{peer} no longer knows bootstrap_room {room}", "unavailable")
-        if state == "registered" and now - p.registered_at > self.config.bootstrap_timeout + 1.0:
+        if state is RoomState.REGISTERED and now - p.registered_at > self.config.bootstrap_timeout + 1.0:
             self.counters["bootstrap_failures"] += 1
             return self._abandon(p, f"no prefill request arrived for bootstrap_room {room} within "
                                  f"{self.config.bootstrap_timeout:g}s (--bootstrap-timeout)", "deadline_exceeded")
@@ -354,13 +372,11 @@ class DecodeConnector(KVConnector):
 
     def _reserve(self, req: Request) -> bool:
         """A slot and pages for the prompt, leaving the running requests their output headroom."""
-        need = self.memory.pages_for(req.prompt_len)
-        headroom = self.memory.pages_for(self.scheduler.reserved_tokens())
-        if self.memory.available_pages - need < headroom:
+        if self.memory.available_pages - self.memory.pages_for(req.prompt_len) < self._headroom:
             return False
         return self.memory.reserve(req, req.prompt_len)
 
-    def _arrived(self, p: _Pending, record: ArrivalRecord, now: float) -> Request:
+    def _arrived(self, p: _Pending, record: ArrivalRecord, now: float) -> None:
         req = p.req
         del self.pending[req.rid]
         req.num_cached_prompt = record.cached_tokens
@@ -370,24 +386,30 @@ class DecodeConnector(KVConnector):
             req.output_top_logprobs.append([])  # the prefill sends the chosen token's logprob only
         self.counters["kv_transfer_bytes"] += self.memory.pages_for(req.prompt_len) * self.kv_bytes_per_page
         self.on_transfer(now - p.registered_at)
-        self.scheduler.add_prefilled(req, record.first_token)
-        return req
+        self._events.arrived.append((req, record.first_token))
 
-    def _fail(self, p: _Pending, message: str, code: str | None) -> Request:
+    def _fail(self, p: _Pending, message: str, code: str | None) -> None:
         """End a request no live prefill will write to: its pages are free at once."""
+        self._events.end(self._drop(p), message, code)
+
+    def _abandon(self, p: _Pending, message: str, code: str | None, cancel: bool = True) -> None:
+        """End a request whose room a live prefill may still write (see _quarantine)."""
+        self._events.end(self._quarantine(p, message, cancel), message, code)
+
+    def _drop(self, p: _Pending) -> Request:
         del self.pending[p.req.rid]
         self.memory.release(p.req)
-        return end(p.req, message, code)
+        return p.req
 
-    def _abandon(self, p: _Pending, message: str, code: str | None, cancel: bool = True) -> Request:
-        """End a request whose room a live prefill may still write: cancel it there (if it can
-        hear), and keep the pages until the prefill says the room is finished or is proven gone."""
+    def _quarantine(self, p: _Pending, message: str, cancel: bool = True) -> Request:
+        """Cancel the request's room on the prefill (if it can hear), and keep its pages until the
+        prefill says the room is finished or is proven gone."""
         del self.pending[p.req.rid]
         room = p.req.bootstrap.room
         self.quarantine.append(_Quarantined(p.req, p.peer, room, time.monotonic()))
         if cancel:
             self.pool.submit(self._cancel, p.peer.client, room, message)
-        return end(p.req, message, code)
+        return p.req
 
     @staticmethod
     def _cancel(client: BootstrapClient, room: int, message: str) -> None:
@@ -400,7 +422,7 @@ class DecodeConnector(KVConnector):
         for q in list(self.quarantine):
             state = q.peer.statuses.get(q.room, {}).get("state")
             overdue = now - q.since > self.config.transfer_timeout
-            if state in FINISHED_ROOM_STATES or q.peer.proven_gone or overdue:
+            if (state is not None and state.finished) or q.peer.proven_gone or overdue:
                 if overdue:
                     log.warning("releasing the pages of bootstrap_room %d after %.0fs without an answer from %s",
                                 q.room, now - q.since, q.peer)
@@ -411,19 +433,17 @@ class DecodeConnector(KVConnector):
         p = self.pending.get(rid)
         if p is None:
             return None
-        if p.stage == "prealloc":
-            return self._fail(p, message, None)
-        return self._abandon(p, message, None)
+        return self._drop(p) if p.stage is Stage.PREALLOC else self._quarantine(p, message)
 
     def has_work(self) -> bool:
         return bool(self.pending or self.quarantine)
 
     def idle_wait(self) -> float | None:
-        if any(p.stage == "transfer" for p in self.pending.values()):
+        if any(p.stage is Stage.TRANSFER for p in self.pending.values()):
             return 0.002  # arrival records are polled, not announced
         if self.has_work():
             return 0.05
-        beats = [p.next_heartbeat for p in self.peers.values() if p.state == "ready" and p.heartbeat is None]
+        beats = [p.next_heartbeat for p in self.peers.values() if p.state is PeerState.READY and p.heartbeat is None]
         return max(0.0, min(beats) - time.monotonic()) if beats else None
 
     def drained(self) -> bool:
@@ -433,13 +453,13 @@ class DecodeConnector(KVConnector):
         return [p.req for p in self.pending.values() if p.req.slot is not None] + [q.req for q in self.quarantine]
 
     def stats(self) -> dict[str, int]:
-        transfer = sum(p.stage == "transfer" for p in self.pending.values())
+        transfer = sum(p.stage is Stage.TRANSFER for p in self.pending.values())
         return {"prealloc_queue": len(self.pending) - transfer, "transfer_queue": transfer, **self.counters}
 
     def close(self) -> None:
         """Tell every prefill we hold a registration with that we are leaving: it forgets this
         decode and fails the rooms we registered that it has not started writing."""
-        peers = [p for p in self.peers.values() if p.state == "ready"]
+        peers = [p for p in self.peers.values() if p.state is PeerState.READY]
         self.pool.shutdown(wait=False, cancel_futures=True)
         if not peers:
             return

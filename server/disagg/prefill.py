@@ -5,8 +5,10 @@ request's room) -> the scheduler (waiting, forward pass, exactly one sampled tok
 ends there and its gRPC stream closes) -> inflight (its pages are written to the decode with
 Mooncake, then the arrival record) -> done (pages released; the prompt stays in the prefix cache).
 
-Ownership: while inflight, the request's slot and pages belong to this connector; nothing writes
-them (the prompt's KV is final), and they are released only when the write has ended.
+Ownership: every request that ends in the scheduler comes to this connector with what it holds
+(`takes_finished`); one whose room is still queued goes inflight: its slot and pages belong to
+this connector, nothing writes them (the prompt's KV is final), and they are released only when
+the write has ended. The others fail their room and are released at once.
 
 Leaving (SIGTERM): the bootstrap service refuses new decode peers and unclaimed rooms, the
 requests already here finish and their KV is sent, and the server waits (at most one
@@ -27,8 +29,9 @@ import torch
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
-from tandem.server.disagg.bootstrap import BootstrapService, RoomTable
-from tandem.server.disagg.connector import KVConnector, deadline, end
+from tandem.server.disagg.bootstrap import BootstrapService
+from tandem.server.disagg.rooms import RoomState, RoomTable
+from tandem.server.disagg.connector import ConnectorEvents, KVConnector, deadline
 from tandem.server.disagg.layout import KVBuffer, KVLayout, prompt_digest, write_list
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, MooncakeTransfer, RecordBuffer
 from tandem.server.memory import KVMemory
@@ -49,10 +52,13 @@ class _Send:
 
 class PrefillConnector(KVConnector):
     role = "prefill"
+    takes_finished = True  # their KV goes to the decode
+    max_new_tokens = 1  # the first output token goes to the decode with the KV
 
     def __init__(self, config: DisaggConfig, listen_host: str, advertise_host: str, layout: KVLayout,
-                 kv_cache: PagedKVCache, memory: KVMemory, wake: Callable[[], None]):
-        super().__init__()
+                 kv_cache: PagedKVCache, memory: KVMemory, wake: Callable[[], None],
+                 on_transfer: Callable[[float], None] = lambda seconds: None):
+        super().__init__(on_transfer)
         self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
         self.device = kv_cache.device
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
@@ -76,54 +82,58 @@ class PrefillConnector(KVConnector):
             raise InvalidRequestError(
                 "disaggregated_params", "required on a prefill server (bootstrap_host, bootstrap_port, bootstrap_room; the router sets them)"
             )
-        req.max_new_tokens = 1  # the first output token goes to the decode with the KV
 
     def add(self, req: Request) -> None:
         self.table.claim(req.bootstrap.room, req.rid, req.prompt_len, prompt_digest(req.token_ids[: req.prompt_len]))
         self.waiting_for_peer[req.rid] = (req, deadline(self.config.bootstrap_timeout))
 
-    def poll(self) -> list[Request]:
-        now = time.monotonic()
+    def poll(self, finished: list[Request], reserved_tokens: int) -> ConnectorEvents:
+        now, events = time.monotonic(), ConnectorEvents()
+        if finished:
+            if self.device.type == "cuda":  # the forward pass that wrote their pages must be done
+                torch.cuda.current_stream(self.device).synchronize()
+            for req in finished:
+                self._send(req)
         if now >= self._next_expiry:  # a sweep over every room: not on every step
             self._next_expiry = now + EXPIRY_INTERVAL_S
             self.table.expire(now, self.config.bootstrap_timeout)
-        ended = []
         for rid, (req, due) in list(self.waiting_for_peer.items()):
             room = self.table.get(req.bootstrap.room)
-            if room.state == "failed":
+            if room.state is RoomState.FAILED:
                 del self.waiting_for_peer[rid]
                 self.counters["bootstrap_failures"] += 1
-                ended.append(end(req, room.message, room.code))
-            elif room.state == "queued":
+                events.end(req, room.message, room.code)
+            elif room.state is RoomState.QUEUED:
                 del self.waiting_for_peer[rid]
                 self.scheduled[rid] = req
-                self.scheduler.add(req)
+                events.admit.append(req)
             elif now > due:
                 del self.waiting_for_peer[rid]
                 message = (f"no decode server registered bootstrap_room {req.bootstrap.room} within "
                            f"{self.config.bootstrap_timeout:g}s (--bootstrap-timeout)")
-                self.table.set_state(req.bootstrap.room, "failed", message, "deadline_exceeded")
+                self.table.set_state(req.bootstrap.room, RoomState.FAILED, message, "deadline_exceeded")
                 self.counters["bootstrap_failures"] += 1
-                ended.append(end(req, message, "deadline_exceeded"))
-        for rid, req in list(self.scheduled.items()):  # the decode side gave up: stop computing
+                events.end(req, message, "deadline_exceeded")
+        for rid, req in self.scheduled.items():  # the decode side gave up: stop computing
             room = self.table.get(req.bootstrap.room)
-            if room is not None and room.state == "failed":
-                self.scheduler.abort(rid, room.message, room.code)
+            if room is not None and room.state is RoomState.FAILED:
+                events.aborts.append((rid, room.message, room.code))
         for rid, send in list(self.inflight.items()):
             if send.future.done():
                 del self.inflight[rid]
                 self._sent(send)
-        return ended
+        return events
 
-    def keep_kv(self, req: Request) -> bool:
+    def _send(self, req: Request) -> None:
+        """A request that ended in the scheduler: write its KV and arrival record to the decode,
+        or, when its room can take no write (aborted, cancelled, failed), fail the room and free it."""
         self.scheduled.pop(req.rid, None)
         reg = None if req.finish.reason == "abort" else self.table.start_transfer(req.bootstrap.room)
         if reg is None:
             message = f"the prefill request ended before its KV was sent: {req.finish.message or req.finish.reason}"
-            self.table.set_state(req.bootstrap.room, "failed", message, req.finish.code or "aborted")
-            return False
-        if self.device.type == "cuda":  # the forward pass that wrote these pages must be done
-            torch.cuda.current_stream(self.device).synchronize()
+            self.table.set_state(req.bootstrap.room, RoomState.FAILED, message, req.finish.code or "aborted")
+            self.memory.release(req)
+            return
         need = -(-req.prompt_len // self.layout.page_size)
         srcs, dsts, lens = write_list(self.layout, self.kv, reg.peer.kv, req.pages[:need], reg.pages)
         logprob = req.output_logprobs[0] if req.output_logprobs else 0.0
@@ -132,7 +142,6 @@ class PrefillConnector(KVConnector):
         future = self.pool.submit(self._write, reg.peer.session, srcs, dsts, lens, record)
         future.add_done_callback(lambda _: self.wake())
         self.inflight[req.rid] = _Send(req, future, sum(lens))
-        return True
 
     def _write(self, session: str, srcs, dsts, lens, record: tuple[int, int]) -> float:
         """On a sender thread: the KV pages, then (only once they are all written) the record.
@@ -149,19 +158,19 @@ class PrefillConnector(KVConnector):
         if error is None:
             self.counters["kv_transfer_bytes"] += send.nbytes
             self.on_transfer(send.future.result())
-            self.table.set_state(req.bootstrap.room, "done")
+            self.table.set_state(req.bootstrap.room, RoomState.DONE)
         else:
             log.warning("KV transfer for %s (room %d) failed: %s", req.rid, req.bootstrap.room, error)
             self.counters["kv_transfer_failures"] += 1
-            self.table.set_state(req.bootstrap.room, "failed", f"KV transfer failed: {error}", "unavailable")
+            self.table.set_state(req.bootstrap.room, RoomState.FAILED, f"KV transfer failed: {error}", "unavailable")
 
     def abort(self, rid: str, message: str) -> Request | None:
         entry = self.waiting_for_peer.pop(rid, None)
         if entry is None:
             return None  # inflight requests already ended for their caller; the write finishes
         req = entry[0]
-        self.table.set_state(req.bootstrap.room, "failed", f"the prefill request was aborted: {message}", "aborted")
-        return end(req, message, None)
+        self.table.set_state(req.bootstrap.room, RoomState.FAILED, f"the prefill request was aborted: {message}", "aborted")
+        return req
 
     def has_work(self) -> bool:
         return bool(self.waiting_for_peer or self.inflight)

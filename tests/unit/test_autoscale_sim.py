@@ -6,7 +6,7 @@ import pytest
 
 from tandem.operator import simulate as sim
 from tandem.operator.simulate import POOLS, SimConfig, make_trace, minute_rows, report_dict, report_text, simulate
-from tandem.server.cli import build_parser, cmd_bench_autoscale, main
+from tandem.cli.main import build_parser, cmd_bench_autoscale, main
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.disagg.bootstrap import PeerRefused, RoomTable
+from tandem.server.disagg.rooms import PeerRefused, RoomState, RoomTable
 from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch, page_runs, prompt_digest, write_list
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, RecordBuffer
 
@@ -74,14 +74,14 @@ def table():
 def test_room_pairs_in_either_order(table, decode_first):
     prompt = [1, 2, 3, 4, 5]
     if decode_first:
-        assert _register(table, 7).state == "registered"
-        assert table.claim(7, "p", 5, prompt_digest(prompt)).state == "queued"
+        assert _register(table, 7).state is RoomState.REGISTERED
+        assert table.claim(7, "p", 5, prompt_digest(prompt)).state is RoomState.QUEUED
     else:
-        assert table.claim(7, "p", 5, prompt_digest(prompt)).state == "claimed"
-        assert _register(table, 7).state == "queued"
+        assert table.claim(7, "p", 5, prompt_digest(prompt)).state is RoomState.CLAIMED
+        assert _register(table, 7).state is RoomState.QUEUED
     assert table.start_transfer(7).pages == [0, 1]
     assert table.cancel(7, "late") == "transferring"  # a write in flight is not cut off
-    table.set_state(7, "done")
+    table.set_state(7, RoomState.DONE)
     assert table.status([7, 8])["rooms"] == {"7": {"state": "done", "message": "", "code": ""},
                                              "8": {"state": "unknown", "message": "", "code": ""}}
     assert table.wakes  # the loop is nudged on registration
@@ -90,7 +90,7 @@ def test_room_pairs_in_either_order(table, decode_first):
 def test_wrong_room_fails_both_legs(table):
     table.claim(7, "p", 5, prompt_digest([9, 9, 9, 9, 9]))
     room = _register(table, 7)
-    assert room.state == "failed" and "wrong bootstrap_room 7" in room.message and room.code == "failed_precondition"
+    assert room.state is RoomState.FAILED and "wrong bootstrap_room 7" in room.message and room.code == "failed_precondition"
 
 
 def test_cancel_before_transfer_blocks_it(table):
@@ -100,7 +100,7 @@ def test_cancel_before_transfer_blocks_it(table):
     assert table.start_transfer(7) is None
     # A cancel for a room nobody has seen makes a later prefill leg fail at once.
     table.cancel(9, "decode refused")
-    assert table.claim(9, "p2", 5, 0).state == "failed"
+    assert table.claim(9, "p2", 5, 0).state is RoomState.FAILED
 
 
 def test_registration_is_validated(table):
@@ -119,9 +119,9 @@ def test_registration_is_validated(table):
 def test_unclaimed_rooms_expire(table):
     room = _register(table, 7)
     table.expire(room.created + 1.0, bootstrap_timeout=5.0)
-    assert table.get(7).state == "registered"
+    assert table.get(7).state is RoomState.REGISTERED
     table.expire(room.created + 6.0, bootstrap_timeout=5.0)
-    assert table.get(7).state == "failed" and table.get(7).code == "deadline_exceeded"
+    assert table.get(7).state is RoomState.FAILED and table.get(7).code == "deadline_exceeded"
     table.expire(room.created + 6.0 + 1000, bootstrap_timeout=5.0)
     assert table.get(7) is None  # forgotten long after it finished
 
@@ -141,20 +141,20 @@ def test_a_restarted_decode_replaces_its_predecessor_and_its_rooms_fail(table):
     table.start_transfer(3)  # writing
     _add_peer(table, instance="d2")
     for room in (1, 2):
-        assert table.get(room).state == "failed" and table.get(room).code == "unavailable"
+        assert table.get(room).state is RoomState.FAILED and table.get(room).code == "unavailable"
         assert "decode peer d restarted (instance d1 replaced by d2)" in table.get(room).message
-    assert table.get(3).state == "transferring"
+    assert table.get(3).state is RoomState.TRANSFERRING
     assert table.counters == {"peer_handshakes": 1, "peer_rehandshakes": 1}
     with pytest.raises(PeerRefused, match="instance d1"):
         _register(table, 4, instance="d1")
-    assert _register(table, 4, instance="d2").state == "registered"
+    assert _register(table, 4, instance="d2").state is RoomState.REGISTERED
 
 
 def test_a_leaving_decode_releases_its_rooms(table):
     _register(table, 1)
     assert table.remove_peer("d", "someone-else") == 0  # only the registered instance can leave
     assert table.remove_peer("d", "d1") == 1
-    assert table.get(1).state == "failed" and "shutting down" in table.get(1).message
+    assert table.get(1).state is RoomState.FAILED and "shutting down" in table.get(1).message
     assert table.heartbeat("d", "d1") == {"known": False, "leaving": False}
     with pytest.raises(PeerRefused) as refused:
         _register(table, 2)
@@ -166,7 +166,7 @@ def test_a_leaving_prefill_serves_claimed_rooms_refuses_new_ones_and_tells_each_
     assert table.heartbeat("d", "d1") == {"known": True, "leaving": False}
     table.leave()
     assert table.unnotified() == ["d"]
-    assert _register(table, 5).state == "queued"  # its decode leg still pairs
+    assert _register(table, 5).state is RoomState.QUEUED  # its decode leg still pairs
     with pytest.raises(PeerRefused) as refused:
         _register(table, 6)  # no prefill leg will ever come here
     assert refused.value.reason == "leaving"

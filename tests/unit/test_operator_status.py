@@ -6,8 +6,9 @@ import pytest
 
 from tandem.operator.kube import is_subset
 from tandem.operator.render import Instance
-from tandem.operator.spec import parse_spec
-from tandem.operator.status import CONDITION_TYPES, Observed, compute_status, invalid_status
+from tandem.operator.spec import Drain, PoolSignals, ScalingDecision, parse_spec
+from tandem.operator.status import (CONDITION_TYPES, AutoscaledPool, AutoscalerStatus, Observed, compute_status,
+                                    invalid_status, with_autoscaler)
 
 T0, T1 = "2026-11-21T10:00:00Z", "2026-11-21T10:05:00Z"
 
@@ -90,6 +91,31 @@ def test_autoscaler_fields_are_carried_over_while_autoscaling_is_on():
     off = compute_status(inst(), 2, Observed(), again, T1)
     assert off["prefill"]["lastScaling"] == last and off["decode"]["draining"] is None
     assert conditions(off)["AutoscalerHealthy"] == ("Unknown", "AutoscalingDisabled")
+
+
+def test_an_autoscaler_tick_is_written_in_camel_case_with_explicit_nulls():
+    before = compute_status(inst(autoscaling={"enabled": True}), 4, Observed(workload(1, 1), workload(1, 1), None),
+                            None, T0)
+    last = ScalingDecision(time=T1, from_replicas=1, to_replicas=2, reason="prefill scale up 1→2: ...")
+    scaled = AutoscalerStatus(
+        T1, AutoscaledPool(2, last, PoolSignals(time=T1, load=1.5, servers=1, values={"waiting": 6.0})),
+        AutoscaledPool(1, draining=Drain(pod="svc-decode-1", since=T0)), healthy=False, message="decode: metrics stale")
+    after = with_autoscaler(before, scaled)
+    assert after["prefill"] == {**before["prefill"], "desiredReplicas": 2, "draining": None,
+                                "lastScaling": {"time": T1, "fromReplicas": 1, "toReplicas": 2,
+                                                "reason": "prefill scale up 1→2: ..."},
+                                "signals": {"time": T1, "load": 1.5, "servers": 1, "values": {"waiting": 6.0}}}
+    assert after["decode"] == {**before["decode"], "desiredReplicas": 1, "lastScaling": None, "signals": None,
+                               "draining": {"pod": "svc-decode-1", "since": T0}}
+    assert [c["type"] for c in after["conditions"]] == [c["type"] for c in before["conditions"]
+                                                        if c["type"] != "AutoscalerHealthy"] + ["AutoscalerHealthy"]
+    assert after["conditions"][:-1] == before["conditions"][:-1]
+    assert after["conditions"][-1] == {"type": "AutoscalerHealthy", "status": "False", "reason": "MetricsStale",
+                                       "message": "decode: metrics stale", "lastTransitionTime": T1,
+                                       "observedGeneration": 4}
+    again = with_autoscaler(after, AutoscalerStatus("2026-11-21T10:06:00Z", scaled.prefill, scaled.decode,
+                                                    healthy=False, message="prefill: metrics stale"))
+    assert again["conditions"][-1]["lastTransitionTime"] == T1  # still False: the transition time stays
 
 
 def test_drift_check_ignores_server_defaults_but_not_changed_values():

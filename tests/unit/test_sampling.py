@@ -13,12 +13,8 @@ from tandem.server.sampling_params import InvalidRequestError, SamplingParams
 VOCAB = 32
 
 
-def row(**overrides) -> SamplingRow:
-    fields = dict(
-        temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0,
-        repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, seed=0,
-    )
-    return SamplingRow(**{**fields, **overrides})
+def row(seed: int = 0, history: list[int] | None = None, prompt_len: int = 0, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), seed, history, prompt_len)
 
 
 def draw(logits: list[float], n: int, **overrides) -> list[int]:
@@ -200,3 +196,20 @@ def test_logprobs_are_of_the_raw_logits():
 def test_no_logprobs_unless_asked():
     ids, chosen, tops = sample(torch.zeros(2, 4), [row(), row(seed=1)])
     assert len(ids) == 2 and chosen is None and tops is None
+
+
+# -- the wire --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("params", [
+    # the proto's floats are 32-bit: values exact in float32
+    SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.75, top_k=5, min_p=0.125, repetition_penalty=1.25,
+                   frequency_penalty=0.25, presence_penalty=-0.5, stop=("a", "b"), stop_token_ids=(3, 4),
+                   ignore_eos=True, logprobs=True, top_logprobs=3),
+    SamplingParams(max_new_tokens=None),
+])
+def test_sampling_params_cross_the_grpc_wire_unchanged(params):
+    """What a client sends (tools.client) is what the servicer hands the engine."""
+    from tandem.server.grpc_servicer import to_sampling_params
+    from tandem.tools.client import request_message
+
+    message = request_message([1, 2, 3], params)
+    assert to_sampling_params(message.sampling_params, message) == params

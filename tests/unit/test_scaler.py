@@ -1,9 +1,10 @@
 """The autoscaler's tick without Kubernetes or HTTP: fake pod listings and readings."""
 
 from tandem.operator import render
-from tandem.operator.scaler import Autoscaler
+from tandem.operator.scaler import Scaler
 from tandem.operator.signals import PodSignals
 from tandem.operator.spec import parse_spec
+from tandem.operator.status import with_autoscaler
 
 FAST = {"stableWindowSeconds": 2, "panicWindowSeconds": 1, "scaleDownWindowSeconds": 2, "drainTimeoutSeconds": 30}
 
@@ -40,14 +41,16 @@ def ticks(cluster, scaler, status, n):
         cluster.now += 1
         pools = {p: status.get(p, {}).get("desiredReplicas", 1) for p in render.POOLS}
         draining = frozenset(p for p in render.POOLS if status.get(p, {}).get("draining"))
-        changes += scaler.tick(instance(0, pools, draining), status)
+        scaled, changed = scaler.tick(instance(0, pools, draining), status)
+        status.update(with_autoscaler(status, scaled))
+        changes += changed
     return changes
 
 
 def test_scaling_a_pool_to_zero_still_finishes_its_drain():
     cluster = Cluster()
     cluster.ready = {"svc-prefill-0": True, "svc-decode-0": True}
-    scaler = Autoscaler(cluster.list_pods, lambda: cluster.now)
+    scaler = Scaler(cluster.list_pods, lambda: cluster.now)
     scaler.scraper = cluster
     status: dict = {}
     changes = ticks(cluster, scaler, status, 6)
@@ -55,12 +58,15 @@ def test_scaling_a_pool_to_zero_still_finishes_its_drain():
     assert status["decode"]["desiredReplicas"] == 0 and status["decode"]["draining"] is None
     assert "svc-decode-0 drained" in changes[1].message
     assert status["prefill"]["desiredReplicas"] == 1  # prefill's minReplicas is 1
+    (health,) = [c for c in status["conditions"] if c["type"] == "AutoscalerHealthy"]
+    assert (health["status"], health["reason"]) == ("True", "MetricsFresh")
+    assert health["message"] == "prefill: 1 server(s) read; decode: 0 server(s) read"
 
 
 def test_a_draining_pod_that_is_not_ready_goes_at_once_and_a_busy_one_waits():
     cluster = Cluster()
     cluster.ready = {"svc-prefill-0": True, "svc-decode-0": True, "svc-decode-1": False}
-    scaler = Autoscaler(cluster.list_pods, lambda: cluster.now)
+    scaler = Scaler(cluster.list_pods, lambda: cluster.now)
     scaler.scraper = cluster
     status = {"decode": {"desiredReplicas": 1, "draining": {"pod": "svc-decode-1", "since": "1970-01-01T00:00:00Z"}}}
     changes = ticks(cluster, scaler, status, 1)

@@ -7,7 +7,7 @@ import pytest
 
 from tandem.server.memory import KVMemory
 from tandem.server.plan import Phase, SeqPlan, StepOutput, StepPlan
-from tandem.server.request import Request, Status
+from tandem.server.request import Finish, Request, Status
 from tandem.server.sampling_params import SamplingParams
 from tandem.server.scheduler import Scheduler, SchedulerConfig
 
@@ -494,25 +494,42 @@ def test_many_requests_on_a_tight_pool_drain_cleanly(prefix_cache, mixed):
 
 
 # -- disaggregation hooks ---------------------------------------------------------------------------
-def test_keep_kv_hands_a_finished_requests_pages_to_the_connector():
-    kept = []
-    sched = make_scheduler()
-    sched.keep_kv = lambda req: req.finish.reason != "abort" and not kept.append(req)
+def test_hand_off_gives_every_finished_request_with_its_pages_to_the_next_owner():
+    sched = make_scheduler(hand_off_finished=True)
     runner = FakeRunner(sched.page_size)
     sched.add(make_request("a", list(range(10, 20)), max_new_tokens=1))
     plan = sched.schedule()
     sched.update(plan, runner(plan))
-    (req,) = kept
+    assert sched.has_work(), "a request to hand off is work: the loop must not sleep on it"
+    sched.check_integrity()  # the scheduler still accounts for it until it is taken
+    (req,) = sched.take_handed_off()
     assert req.finished and req.slot is not None and len(req.pages) == 3  # still held: being "sent"
+    assert sched.take_handed_off() == [] and not sched.has_work()
     sched.check_integrity(held_elsewhere=[req])
     with pytest.raises(AssertionError, match="slots leaked"):
         sched.check_integrity()
     sched.memory.release(req)
     assert_drained(sched)
     sched.add(make_request("b", list(range(30, 40))))
-    sched.schedule()
-    sched.abort("b")  # aborts are never kept
-    assert kept == [req]
+    sched.add(make_request("c", list(range(50, 60))))
+    sched.schedule()  # b and c hold pages now
+    sched.abort("b")
+    sched.abort("c")
+    taken = sched.take_handed_off()
+    assert [(r.rid, r.finish.reason) for r in taken] == [("b", "abort"), ("c", "abort")]  # aborts go too
+    for r in taken:
+        sched.memory.release(r)
+    assert_drained(sched)
+
+
+def test_end_elsewhere_changes_status_and_finish_only():
+    sched = make_scheduler()
+    req = make_request("held", list(range(10, 21)))
+    assert sched.memory.reserve(req, req.prompt_len)  # a KV connector's, not the scheduler's
+    sched.end_elsewhere(req, Finish("abort", message="peer gone", code="unavailable"))
+    assert req.finished and req.finish.code == "unavailable"
+    assert req.slot is not None, "its owner frees it"
+    sched.memory.release(req)
     assert_drained(sched)
 
 

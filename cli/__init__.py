@@ -1,0 +1,1 @@
+"""The `tandem` command line: one parser that dispatches to the engine, the operator and the tools."""

@@ -1,0 +1,270 @@
+"""The `tandem` command: the engine (`generate`, `serve`), the operator, and the tools (client,
+chat, demo, benchmarks). Engine, serving and sampling flags are generated from their config
+dataclasses; subcommands import what they run only when they run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from tandem.common.options import add_arguments, flag, from_args
+from tandem.server.config import DisaggConfig, EngineConfig, ServeConfig
+from tandem.server.sampling_params import SamplingParams
+
+# On the command line sampling is greedy unless asked otherwise (an API request's default is 1.0).
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
+
+
+def changed_engine_flags(args: argparse.Namespace) -> list[str]:
+    """The EngineConfig flags given on this command line, to pass on to `tandem serve`."""
+    return [f"{flag(f.name)}={getattr(args, f.name)}" for f in dataclasses.fields(EngineConfig)
+            if getattr(args, f.name) != f.default]
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    add_arguments(parser, SamplingParams, CLI_SAMPLING_DEFAULTS, exclude)
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    prompts = []
+    for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        value = json.loads(line)
+        if not isinstance(value, str):
+            raise SystemExit(f"--prompts-file line {n}: expected a JSON string, got {type(value).__name__}")
+        prompts.append(value)
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from tandem.server.engine import Engine
+    from tandem.server.model import ModelLoadError
+    from tandem.server.sampling_params import InvalidRequestError
+
+    prompts = _read_prompts(args)
+    try:
+        engine = Engine(from_args(args, EngineConfig))
+    except (ModelLoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with engine:
+        if args.chat:
+            prompts = [
+                engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                for p in prompts
+            ]
+        params = from_args(args, SamplingParams, seed=None)  # --seed is the engine's: requests bring none
+        try:
+            ids = [engine.tokenizer.encode(p) if p else [] for p in prompts]
+            streams = [engine.submit(i, params) for i in ids]
+        except InvalidRequestError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        results = [s.result() for s in streams]
+    for i, r in enumerate(results):
+        if args.json:
+            print(json.dumps({"index": i, "prompt_tokens": r.prompt_tokens, "output_ids": r.output_ids,
+                              "text": r.text, "finish_reason": r.finish_reason}))
+        else:
+            print(f"--- [{i}] {r.prompt_tokens} prompt tokens, {len(r.output_ids)} generated ({r.finish_reason})")
+            print(r.text)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from tandem.server.serve import run
+
+    try:
+        return run(from_args(args, EngineConfig), from_args(args, ServeConfig), from_args(args, DisaggConfig))
+    except (ValueError, OSError, RuntimeError) as e:  # bad flags, busy ports, Mooncake that cannot start
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_operator(args) -> int:
+    from tandem.operator.main import main as operator_main
+
+    return operator_main(args)
+
+
+def cmd_client_generate(args) -> int:
+    from tandem.tools.client import generate
+
+    return generate(args, from_args(args, SamplingParams))
+
+
+def cmd_chat(args) -> int:
+    from tandem.tools.client import chat
+
+    return chat(args, from_args(args, SamplingParams))
+
+
+def cmd_bench_serve(args) -> int:
+    from tandem.tools.bench_serve import run
+
+    return run(args)
+
+
+def cmd_demo(args) -> int:
+    from tandem.tools.demo import run_offline_demo, run_pd_demo
+
+    if args.offline:
+        return run_offline_demo(from_args(args, EngineConfig), args.max_new_tokens)
+    engine_args = changed_engine_flags(args)
+    if args.max_total_tokens is None:  # two servers on one machine: a modest pool each
+        engine_args.append("--max-total-tokens=32768")
+    try:
+        return run_pd_demo(engine_args, args.max_new_tokens, args.keep_running, args.log_dir)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_bench_offline(args) -> int:
+    from tandem.tools.bench_offline import run
+
+    return run(from_args(args, EngineConfig), args)
+
+
+def cmd_bench_pd(args) -> int:
+    from tandem.tools.bench_pd import run
+
+    engine_args = changed_engine_flags(args)
+    return run(args, engine_args)
+
+
+def cmd_bench_autoscale(args) -> int:
+    from tandem.operator.simulate import SimConfig, report_dict, report_text, simulate
+
+    try:
+        result = simulate(from_args(args, SimConfig))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report_dict(result, args.decisions)) if args.json else report_text(result, args.decisions))
+    return 0
+
+
+def cmd_export_tokenizer(args) -> int:
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.tokenizer import export_tokenizer
+
+    print(export_tokenizer(resolve_model(args.model), Path(args.dir)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with prefill/decode disaggregation")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate for one prompt or a file of prompts, batched together")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (raw text, no chat template unless --chat)")
+    src.add_argument("--prompts-file", help="a file with one JSON string per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
+    _sampling_arguments(gen, exclude=("seed",))  # --seed: EngineConfig's, for requests that bring none
+    add_arguments(gen, EngineConfig)
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve SGLang's gRPC scheduler protocol, health and /metrics")
+    add_arguments(serve, ServeConfig)
+    add_arguments(serve, DisaggConfig)
+    add_arguments(serve, EngineConfig)
+    serve.set_defaults(func=cmd_serve)
+
+    from tandem.operator.main import add_arguments as add_operator_arguments
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator (InferenceService -> pools and router)")
+    add_operator_arguments(op)
+    op.set_defaults(func=cmd_operator)
+
+    client = sub.add_parser("client", help="talk to a running server")
+    client_sub = client.add_subparsers(dest="client", required=True)
+    cgen = client_sub.add_parser("generate", help="tokenize locally, stream the answer, print TTFT and tokens/s")
+    cgen.add_argument("--target", default="127.0.0.1:30000", help="HOST:PORT of a tandem server")
+    cgen.add_argument("--prompt", required=True)
+    cgen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    cgen.add_argument("--model", default=EngineConfig.model, help="where the tokenizer comes from")
+    cgen.add_argument("--prefill-target", help="HOST:PORT of a prefill server: send a disaggregated request "
+                      "(prefill leg there, decode leg to --target)")
+    cgen.add_argument("--bootstrap-port", type=int, default=8998, help="the prefill server's bootstrap port")
+    _sampling_arguments(cgen)
+    cgen.set_defaults(func=cmd_client_generate)
+
+    chat = sub.add_parser("chat", help="chat with a running server (one line per turn; empty line or EOF ends)")
+    chat.add_argument("--target", default="127.0.0.1:30000")
+    chat.add_argument("--model", default=EngineConfig.model)
+    _sampling_arguments(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    demo = sub.add_parser("demo", help="prefill + decode servers and the smg router on 127.0.0.1; stream a few chat answers")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--keep-running", action="store_true", help="leave the stack up and print how to call it")
+    demo.add_argument("--offline", action="store_true", help="no servers: run the engine in this process")
+    demo.add_argument("--log-dir", help="where the servers and the router log (default: a new temporary directory)")
+    add_arguments(demo, EngineConfig)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    off = bench_sub.add_parser("offline", help="tandem vs HF transformers static batches, same workload")
+    off.add_argument("--num-requests", type=int, default=64)
+    off.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    off.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    off.add_argument("--hf-batch-size", type=int, default=16)
+    off.add_argument("--workload-seed", type=int, default=1)
+    off.add_argument("--skip-hf", action="store_true", help="run tandem only")
+    add_arguments(off, EngineConfig)
+    off.set_defaults(func=cmd_bench_offline)
+
+    bserve = bench_sub.add_parser("serve", help="drive a running server with a fixed-seed streaming workload")
+    bserve.add_argument("--target", default="127.0.0.1:30000", help="HOST:PORT: a tandem gRPC server, or the router with --openai")
+    bserve.add_argument("--openai", action="store_true", help="target is an OpenAI-compatible HTTP endpoint (the router)")
+    bserve.add_argument("--model", default=EngineConfig.model, help="tokenizer source (and the model name for --openai)")
+    bserve.add_argument("--num-requests", type=int, default=32)
+    bserve.add_argument("--concurrency", type=int, default=8)
+    bserve.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    bserve.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    bserve.add_argument("--workload-seed", type=int, default=1)
+    bserve.set_defaults(func=cmd_bench_serve)
+
+    bpd = bench_sub.add_parser("pd", help="the serve workload colocated vs prefill+decode (Mooncake), behind the router, in one run")
+    bpd.add_argument("--num-requests", type=int, default=32)
+    bpd.add_argument("--concurrency", type=int, default=8)
+    bpd.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    bpd.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    bpd.add_argument("--workload-seed", type=int, default=1)
+    bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
+    add_arguments(bpd, EngineConfig)
+    bpd.set_defaults(func=cmd_bench_pd)
+
+    from tandem.operator.simulate import SimConfig
+
+    bauto = bench_sub.add_parser("autoscale", help="simulate a ramp, a spike and a quiet period through the "
+                                 "operator's real scaling decision; autoscaled vs fixed pod-minutes and latency")
+    bauto.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bauto.add_argument("--decisions", action="store_true", help="also list every scaling decision with its reason")
+    add_arguments(bauto, SimConfig)
+    bauto.set_defaults(func=cmd_bench_autoscale)
+
+    exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer files into DIR")
+    exp.add_argument("dir")
+    exp.add_argument("--model", default=EngineConfig.model)
+    exp.set_defaults(func=cmd_export_tokenizer)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

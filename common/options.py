@@ -1,0 +1,53 @@
+"""Options as frozen dataclasses: each field carries its default and its help, and the command
+line's flags are generated from the fields (`--field-name`, typed from the annotation)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import field
+
+
+def opt(default, help: str, **extra):
+    """A dataclass field with its documentation (the generated flag's help)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = None, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per field of `cls` (except `exclude`): bool fields get --x/--no-x, Literal fields
+    their choices, tuple fields are repeatable. `defaults` overrides a field's default for this
+    command line only."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        default = (defaults or {}).get(f.name, f.default)
+        hint = hints[f.name]
+        kwargs: dict = {"default": default, "help": f"{f.metadata['help']} (default: {default})"}
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is typing.Literal:
+            kwargs["choices"] = typing.get_args(hint)
+        elif typing.get_origin(hint) is tuple:
+            kwargs.update(action="append", type=typing.get_args(hint)[0], default=None,
+                          help=f"{f.metadata['help']} (repeatable)")
+        else:
+            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            kwargs["type"] = args[0]
+        parser.add_argument(flag(f.name), **kwargs)
+
+
+def from_args(args: argparse.Namespace, cls, **fixed):
+    """`cls` built from parsed flags (add_arguments'); `fixed` gives fields that have no flag."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in fixed:
+            continue
+        value = getattr(args, f.name)
+        values[f.name] = tuple(value or ()) if typing.get_origin(typing.get_type_hints(cls)[f.name]) is tuple else value
+    return cls(**values, **fixed)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,47 @@
+"""The KV pool's size (from --max-total-tokens, or the memory the device has free) and the KV
+layout a disaggregated peer must share to exchange pages with it."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels.kv_cache import PagedKVCache
+from tandem.server.config import EngineConfig
+from tandem.server.disagg.layout import KVLayout
+from tandem.server.model import LoadedModel
+
+
+def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) -> int:
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens // config.page_size
+    mc = model.config
+    per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.compute_dtype)
+    budget = int(free_memory_bytes(model.device) * config.kv_memory_fraction)
+    # Never more than the context length times the slot count: the rest could never be used.
+    cap = context_length * config.max_running_requests
+    return max(1, min(budget // per_token, cap) // config.page_size)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def kv_layout(model: LoadedModel, kv: PagedKVCache) -> KVLayout:
+    """What a disaggregated peer must share with this engine to exchange KV pages."""
+    mc = model.config
+    shape = f"L{mc.num_layers}-H{mc.num_heads}-KV{mc.num_kv_heads}-D{mc.head_dim}-V{mc.vocab_size}"
+    return KVLayout(
+        model=f"{mc.architecture}:{model.source.name}:{shape}",
+        kv_dtype=str(kv.dtype).removeprefix("torch."),
+        page_size=kv.page_size,
+        num_layers=kv.num_layers,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        page_bytes=kv.page_bytes,
+    )

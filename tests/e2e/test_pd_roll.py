@@ -1,0 +1,197 @@
+"""Rolling restarts of a PD stack, as a StatefulSet rollout does them: a server is stopped
+(SIGTERM, or SIGKILL) and a new process starts at the same gRPC, metrics and bootstrap ports,
+with the `smg` router left as it is. Real processes, Mooncake over TCP, the real router.
+
+The scenarios run in order on one stack (two prefill and two decode servers): the first three
+through a router over the first prefill and the first decode, the last through a router over
+all four. Each ends with every server holding no request, queue entry or KV page."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from support.serving import PDStack, RouterProcess, ServerProcess, assert_all_freed, metric_value
+from tandem.tools.stack import ROUTER_PD_ARGS
+
+# Heartbeats every second (the default is 5 s) keep the scenarios short; the rules are the same.
+ENGINE = ("--max-total-tokens", "16384", "--served-model-name", "smollm2", "--bootstrap-timeout", "20",
+          "--peer-timeout", "2", "--peer-heartbeat-interval", "1", "--drain-grace-seconds", "30")
+ROUTER_ARGS = ("--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin", "--decode-policy", "round_robin")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    stack = PDStack(tmp_path_factory.mktemp("pd-roll"), ENGINE, ROUTER_ARGS)
+    yield stack
+    stack.stop()
+
+
+def generate(router: RouterProcess, prompt: list[int], max_new_tokens: int = 8, timeout: float = 120) -> tuple[int, str]:
+    body = {"model": "smollm2", "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    return router.post("/generate", body, timeout=timeout)
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def first_success_after(router: RouterProcess, rng: random.Random, timeout: float = 10) -> float:
+    """Seconds until a request through `router` succeeds; then five more in a row must succeed."""
+    start = time.monotonic()
+    while True:
+        status, body = generate(router, prompt(rng, 24))
+        if status == 200:
+            break
+        assert time.monotonic() - start < timeout, f"no request succeeded within {timeout}s; last: {status} {body[:300]}"
+        time.sleep(0.2)
+    waited = time.monotonic() - start
+    for _ in range(5):
+        status, body = generate(router, prompt(rng, 24))
+        assert status == 200, body
+    return waited
+
+
+def in_flight(router: RouterProcess, prompts: list[list[int]], max_new_tokens: int) -> tuple[threading.Thread, list]:
+    """Send every prompt at once from background threads; (joiner thread, [(status, body)])."""
+    results: list = []
+
+    def one(p):
+        results.append(generate(router, p, max_new_tokens))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    joiner = threading.Thread(target=lambda: [t.join() for t in threads])
+    joiner.start()
+    return joiner, results
+
+
+def wait_for(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        time.sleep(0.05)
+
+
+def counter(server: ServerProcess, name: str) -> float:
+    return metric_value(server.metrics_text(), name)
+
+
+def test_prefill_sigterm_roll_while_idle(stack):
+    """Roll the prefill at a quiet moment: the decode hears it leave, re-handshakes with its
+    successor, and the next request succeeds."""
+    rng = random.Random(1)
+    prefill, decode = stack.prefills[0], stack.decodes[0]
+    assert generate(stack.one_by_one, prompt(rng, 24))[0] == 200  # the decode holds a registration
+    old = stack.bootstrap(prefill, "/v1/layout")["instance"]
+    rehandshakes = counter(decode, "tandem_peer_rehandshakes_total")
+    assert prefill.restart(signal.SIGTERM) == 0
+    new = stack.bootstrap(prefill, "/v1/layout")["instance"]
+    assert new != old
+    waited = first_success_after(stack.one_by_one, rng, timeout=5)
+    assert counter(decode, "tandem_peer_rehandshakes_total") == rehandshakes + 1
+    log = decode.log_path.read_text()
+    assert f"prefill 127.0.0.1:{stack.bootstrap_port(prefill)} (instance {old}) is leaving" in log
+    assert f"re-handshake with prefill 127.0.0.1:{stack.bootstrap_port(prefill)} (instance {new}): it replaced instance {old}" in log
+    assert counter(decode, "tandem_bootstrap_failures_total") == 0, f"a request failed ({waited:.1f}s to the first success)"
+    assert_all_freed([prefill, decode])
+
+
+def test_prefill_sigkill_with_requests_in_flight(stack):
+    """Kill the prefill while it computes: its requests fail (no hang), the decode frees their
+    pages once the successor's new instance proves the old process gone, later requests succeed."""
+    rng = random.Random(2)
+    prefill, decode = stack.prefills[0], stack.decodes[0]
+    start = time.monotonic()
+    joiner, results = in_flight(stack.one_by_one, [prompt(rng, 900 + 40 * i) for i in range(6)], max_new_tokens=16)
+    wait_for(lambda: counter(prefill, "tandem_num_requests_running") + counter(prefill, "tandem_num_requests_waiting") > 0,
+             "the prefill getting work")
+    prefill.restart(signal.SIGKILL, wait=False)
+    joiner.join(90)
+    assert not joiner.is_alive(), "a client hung"
+    assert len(results) == 6 and any(status != 200 for status, _ in results), results
+    assert all(status in (200, 500, 502, 503, 504) for status, _ in results), results  # answered, not hung
+    prefill.wait_healthy()
+    first_success_after(stack.one_by_one, rng)
+    assert_all_freed([prefill, decode])
+    assert time.monotonic() - start < 120
+
+
+def test_decode_sigkill_with_requests_in_flight(stack):
+    """Kill the decode while it generates, start its successor at the same address: service
+    resumes, and the prefill holds nothing of the old decode (its registration was replaced)."""
+    rng = random.Random(3)
+    prefill, decode = stack.prefills[0], stack.decodes[0]
+    name = f"127.0.0.1:{decode.port}"
+    old = [p["instance"] for p in stack.bootstrap(prefill, "/v1/peers")["peers"] if p["decode"] == name]
+    assert len(old) == 1
+    replaced = counter(prefill, "tandem_peer_rehandshakes_total")
+    joiner, results = in_flight(stack.one_by_one, [prompt(rng, 40 + i) for i in range(4)], max_new_tokens=400)
+    wait_for(lambda: counter(decode, "tandem_num_requests_running") > 0, "the decode generating")
+    decode.restart(signal.SIGKILL)
+    joiner.join(90)
+    assert not joiner.is_alive(), "a client hung"
+    assert any(status != 200 for status, _ in results), results
+    first_success_after(stack.one_by_one, rng)
+    now = [p["instance"] for p in stack.bootstrap(prefill, "/v1/peers")["peers"] if p["decode"] == name]
+    assert len(now) == 1 and now != old
+    assert counter(prefill, "tandem_peer_rehandshakes_total") == replaced + 1
+    assert f"decode peer {name} (instance {now[0]}) replaces instance {old[0]}" in prefill.log_path.read_text()
+    assert_all_freed([prefill, decode])
+
+
+class Load:
+    """Requests through `router` from `concurrency` threads until stopped: short prompts, a few
+    tokens each, every outcome kept."""
+
+    def __init__(self, router: RouterProcess, concurrency: int, seed: int):
+        self.router, self.rng = router, random.Random(seed)
+        self.outcomes: list[tuple[float, int, str]] = []  # (time, status, body)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(concurrency)]
+
+    def _run(self):
+        while not self._stop.is_set():
+            status, body = generate(self.router, prompt(self.rng, self.rng.randrange(16, 200)), max_new_tokens=8, timeout=60)
+            self.outcomes.append((time.monotonic(), status, body))
+
+    def start(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in self._threads), "a client hung"
+
+    @property
+    def failures(self) -> list[tuple[float, int, str]]:
+        return [o for o in self.outcomes if o[1] != 200]
+
+
+def test_rolling_restart_of_both_pools_under_load(stack, capsys):
+    """Each server in turn (prefills, then decodes) gets SIGTERM and a successor once the one
+    before is serving, like a StatefulSet's rolling update, while four clients keep sending."""
+    load = Load(stack.two_by_two, concurrency=4, seed=4).start()
+    try:
+        wait_for(lambda: sum(o[1] == 200 for o in load.outcomes) >= 8, "the load getting going")
+        start = len(load.outcomes)
+        for server in stack.prefills + stack.decodes:
+            assert server.restart(signal.SIGTERM) == 0
+        wait_for(lambda: len(load.outcomes) >= start + 60, "60 requests over the roll", timeout=120)
+    finally:
+        load.stop()
+    during = load.outcomes[start:]
+    with capsys.disabled():
+        print(f"\nrolling restart of 2 prefill + 2 decode under load: {len(during)} requests, "
+              f"{sum(o[1] != 200 for o in during)} failed")
+    assert not load.failures, [(status, body[:300]) for _, status, body in load.failures]
+    assert_all_freed(stack.servers)

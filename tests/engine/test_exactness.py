@@ -1,0 +1,111 @@
+"""Greedy float32 outputs are token-identical to HF transformers on the same GGUF weights, under
+every batching shape the engine produces: chunked prefill, prefix-cache hits, page sizes 1 and 16,
+mixed batches, the chunk cache, and a pool small enough to force retraction."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.checks import assert_matches_reference
+from tandem.server.sampling_params import SamplingParams
+
+NEW_TOKENS = 24
+
+SHARED_PREFIX = (
+    "You are a careful assistant for a platform team that runs language models on Kubernetes. "
+    "The cluster has two pools of servers: prefill servers read whole prompts and build the "
+    "key-value cache, decode servers generate the answer one token at a time. A router sends each "
+    "request to one server of each pool, and the cache moves between them over the network. "
+    "Answer briefly, and say when you are not sure. "
+) * 3
+
+FACTS = [
+    "Mercury is the smallest planet and the closest to the Sun.",
+    "Venus has a thick atmosphere of carbon dioxide and the hottest surface of all planets.",
+    "Earth is the only planet known to support life, with liquid water on its surface.",
+    "Mars is called the red planet because of iron oxide on its surface.",
+    "Jupiter is the largest planet, a gas giant with a great red storm.",
+    "Saturn is famous for its bright rings made of ice and rock.",
+    "Uranus rotates on its side, with an axis tilted almost ninety degrees.",
+    "Neptune has the strongest winds measured in the solar system.",
+]
+
+
+def long_text(n_sentences: int) -> str:
+    return " ".join(f"Note {i}: {FACTS[i % len(FACTS)]}" for i in range(n_sentences))
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    texts = [
+        "The capital of France is",
+        "1, 2, 3, 4,",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+        SHARED_PREFIX + "Question: what does the prefill pool do?\nAnswer:",
+        SHARED_PREFIX + "Question: what does the decode pool do?\nAnswer:",
+        SHARED_PREFIX + "Question: how does the cache move between pools?\nAnswer:",
+        long_text(30) + "\nSummary of the notes above:",
+        long_text(70) + "\nThe planet with rings is",
+        long_text(90) + "\nQuestion: which planet is red? Answer:",
+    ]
+    ids = [tokenizer.encode(t) for t in texts]
+    ids[1] = ids[1][:4]  # a 4-token prompt
+    return ids
+
+
+@pytest.fixture(scope="module")
+def workload(smollm_fp32, hf_reference):
+    ids = prompts(smollm_fp32.tokenizer)
+    lengths = sorted(len(p) for p in ids)
+    assert lengths[0] == 4 and lengths[-1] >= 1200, lengths
+    return [(p, *hf_reference.greedy(p, NEW_TOKENS)) for p in ids]
+
+
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+CONFIGS = {
+    "page16-chunk256": dict(page_size=16, chunked_prefill_size=256),
+    "page1-chunk256": dict(page_size=1, chunked_prefill_size=256),
+    "mixed-chunk": dict(page_size=16, chunked_prefill_size=256, enable_mixed_chunk=True),
+    "no-radix-cache": dict(page_size=16, chunked_prefill_size=256, disable_radix_cache=True),
+    "lpm-no-chunking": dict(page_size=4, chunked_prefill_size=0, schedule_policy="lpm"),
+}
+
+
+def run_and_compare(engine, workload, label: str):
+    streams = [engine.submit(p, GREEDY) for p, _, _ in workload]
+    results = [s.result() for s in streams]
+    for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
+        assert r.finish_reason == "length", f"{label} prompt {i}: {r.finish_reason} {r.error}"
+        assert_matches_reference(r.output_ids, want, gaps, f"{label} prompt {i} ({len(p)} tokens)")
+    return results
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_matches_reference(make_engine, workload, name):
+    engine = make_engine(**CONFIGS[name])
+    run_and_compare(engine, workload, name)
+    # The same prompts again: now served largely from the prefix cache, and still exact.
+    again = run_and_compare(engine, workload, name + " (second pass)")
+    if not CONFIGS[name].get("disable_radix_cache"):
+        assert all(r.cached_tokens > 0 for r, (p, _, _) in zip(again, workload) if len(p) > 2 * 16)
+    else:
+        assert all(r.cached_tokens == 0 for r in again)
+
+
+def test_retraction_keeps_outputs_exact(make_engine, workload):
+    # Room for the longest prompt plus its output, far from room for all of them at once; with no
+    # output reserve, admission packs the pool and the decodes' growth must retract.
+    engine = make_engine(
+        page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0, min_new_token_ratio=0.0
+    )
+    run_and_compare(engine, workload, "small pool")
+    assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was not small enough to retract"
+
+
+def test_batch_of_one_matches_batched(make_engine, workload):
+    """Each prompt alone gives what it gave inside the batch (and what the reference gives)."""
+    engine = make_engine(page_size=16, chunked_prefill_size=256, disable_radix_cache=True)
+    for p, want, gaps in workload[:4]:
+        r = engine.submit(p, GREEDY).result()
+        assert_matches_reference(r.output_ids, want, gaps, "alone")

@@ -1,0 +1,242 @@
+"""Prefill and decode engines in one process, KV moved by Mooncake over TCP on 127.0.0.1: outputs
+equal the colocated engine's, and every failure path ends both legs and frees everything."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from support.checks import assert_engine_clean, assert_matches_reference
+from support.serving import free_port
+from tandem.server.config import DisaggConfig, EngineConfig
+from tandem.server.request import Bootstrap
+from tandem.server.sampling_params import InvalidRequestError, SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+
+def make_pd(smollm_fp32, prefill=None, decode=None, **engine):
+    """(prefill engine, decode engine, bootstrap port)."""
+    from tandem.server.engine import Engine
+
+    engine.setdefault("max_total_tokens", 8192)
+    port = free_port()
+    p = Engine(EngineConfig(**engine), model=smollm_fp32, disagg=DisaggConfig(role="prefill", bootstrap_port=port, **(prefill or {}))).start()
+    d = Engine(EngineConfig(**engine), model=smollm_fp32, disagg=DisaggConfig(role="decode", **(decode or {}))).start()
+    return p, d, port
+
+
+@pytest.fixture(scope="module")
+def pd(smollm_fp32):
+    p, d, port = make_pd(smollm_fp32, prefill={"bootstrap_timeout": 3.0}, decode={"bootstrap_timeout": 3.0})
+    yield p, d, port
+    for e in (p, d):
+        e.shutdown()
+
+
+def assert_clean(*engines):
+    """Once both sides settle (quarantined pages wait for the prefill's word): nothing held."""
+    _wait_idle(*engines)
+    for engine in engines:
+        assert_engine_clean(engine)
+        assert engine.call(engine.connector.held) == []
+        assert not engine.call(engine.connector.has_work)
+
+
+def run_pair(p, d, port, prompt, params=GREEDY, room=None, legs=("prefill", "decode")):
+    """Submit both legs of one request; returns (prefill result, decode result)."""
+    room = random.randrange(1 << 31) if room is None else room
+    b = Bootstrap("127.0.0.1", port, room)
+    streams = {}
+    if "prefill" in legs:
+        streams["prefill"] = p.submit(prompt, params, bootstrap=b)
+    if "decode" in legs:
+        streams["decode"] = d.submit(prompt, params, bootstrap=b)
+    return {leg: s.result() for leg, s in streams.items()}
+
+
+def test_pd_outputs_equal_the_reference(pd, smollm_fp32, hf_reference):
+    p, d, port = pd
+    rng = random.Random(5)
+    shared = [rng.randrange(1000, 40000) for _ in range(300)]
+    prompts = [shared + [rng.randrange(1000, 40000) for _ in range(n)] for n in (5, 40, 77)]
+    prompts += [[rng.randrange(1000, 40000) for _ in range(n)] for n in (1, 16, 17, 1100)]
+    results = [None] * len(prompts)
+
+    def one(i):
+        results[i] = run_pair(p, d, port, prompts[i])
+
+    one(0)  # alone first: the others find the shared prefix in the prefill's cache
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(1, len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for prompt, legs in zip(prompts, results):
+        want, gaps = hf_reference.greedy(prompt, GREEDY.max_new_tokens)
+        assert legs["prefill"].finish_reason in ("length", "stop") and len(legs["prefill"].output_ids) == 1
+        assert legs["prefill"].output_ids[0] == legs["decode"].output_ids[0]
+        assert_matches_reference(legs["decode"].output_ids, want, gaps, f"{len(prompt)}-token prompt")
+    # The shared prefix was served from the prefill's prefix cache, and still arrived whole.
+    assert p.snapshot.prefix_hit_tokens >= 2 * 288
+    assert results[1]["decode"].cached_tokens == results[1]["prefill"].cached_tokens >= 288
+    assert p.snapshot.kv_transfer_bytes == d.snapshot.kv_transfer_bytes > 0
+    assert_clean(p, d)
+
+
+def test_decode_leg_with_no_prefill_times_out_and_frees(pd):
+    p, d, port = pd
+    start = time.monotonic()
+    out = run_pair(p, d, port, list(range(100, 180)), legs=("decode",))["decode"]
+    assert out.finish_reason == "abort" and "no prefill request arrived" in out.error
+    assert time.monotonic() - start < 15
+    assert_clean(p, d)
+
+
+def test_prefill_leg_with_no_decode_times_out_and_frees(pd):
+    p, d, port = pd
+    before = p.snapshot.bootstrap_failures
+    out = run_pair(p, d, port, list(range(100, 180)), legs=("prefill",))["prefill"]
+    assert out.finish_reason == "abort" and "no decode server registered" in out.error
+    assert p.snapshot.bootstrap_failures == before + 1
+    assert_clean(p, d)
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+def test_abort_on_either_leg_ends_both(pd, first):
+    """The leg that came first is aborted while it waits for its peer: the peer leg, arriving
+    afterwards, is refused at once instead of waiting out its timeout."""
+    p, d, port = pd
+    b = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
+    prompt = list(range(200, 700))
+    engines = {"prefill": p, "decode": d}
+    early = engines[first].submit(prompt, GREEDY, bootstrap=b)
+    time.sleep(0.3)  # registered (decode) or waiting in the bootstrap queue (prefill)
+    early.abort()
+    assert early.result().finish_reason == "abort"
+    _wait_idle(p, d)  # an aborted decode leg tells the prefill side before it frees its pages
+    start = time.monotonic()
+    late = engines["decode" if first == "prefill" else "prefill"].submit(prompt, GREEDY, bootstrap=b).result()
+    assert late.finish_reason == "abort" and "aborted" in late.error
+    assert time.monotonic() - start < 2.0  # not the 3 s bootstrap timeout
+    assert_clean(p, d)
+
+
+def test_abort_while_decoding_frees_both_sides(pd):
+    p, d, port = pd
+    params = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
+    b = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
+    ps, ds = p.submit(list(range(300, 800)), params, bootstrap=b), d.submit(list(range(300, 800)), params, bootstrap=b)
+    assert ps.result().finish_reason == "length"  # the prefill leg ends after its forward pass
+    first = next(iter(ds))  # the first token arrived with the KV
+    assert first.token_ids
+    ds.abort()
+    rest = ds.result()
+    assert rest.finish_reason == "abort" and rest.error_code is None  # a client abort, not a failure
+    assert_clean(p, d)
+
+
+def test_wrong_room_is_refused_on_both_legs(pd):
+    p, d, port = pd
+    room = random.randrange(1 << 31)
+    b = Bootstrap("127.0.0.1", port, room)
+    ps = p.submit(list(range(100, 150)), GREEDY, bootstrap=b)
+    ds = d.submit(list(range(300, 350)), GREEDY, bootstrap=b)  # another prompt, same room
+    for out in (ps.result(), ds.result()):
+        assert out.finish_reason == "abort" and "wrong bootstrap_room" in out.error
+    assert_clean(p, d)
+
+
+def test_requests_without_bootstrap_are_invalid(pd):
+    p, d, _ = pd
+    for engine in (p, d):
+        with pytest.raises(InvalidRequestError, match="disaggregated_params"):
+            engine.submit([1, 2, 3], GREEDY)
+    assert_clean(p, d)
+
+
+def test_layout_mismatch_is_refused_at_the_handshake(smollm_fp32):
+    from tandem.server.engine import Engine
+
+    port = free_port()
+    p = Engine(EngineConfig(max_total_tokens=4096, page_size=32), model=smollm_fp32,
+               disagg=DisaggConfig(role="prefill", bootstrap_port=port)).start()
+    d = Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32, disagg=DisaggConfig(role="decode")).start()
+    try:
+        start = time.monotonic()
+        outs = run_pair(p, d, port, list(range(100, 180)))
+        assert outs["decode"].error_code == "failed_precondition"
+        assert "page_size: 16 on decode, 32 on prefill" in outs["decode"].error
+        assert outs["prefill"].finish_reason == "abort"  # told by the decode, not by its own timeout
+        assert time.monotonic() - start < 10
+        assert_clean(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def _wait_idle(*engines, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(not e.call(e.connector.has_work) and not e.call(e.scheduler.has_work) for e in engines):
+            return
+        time.sleep(0.05)
+    raise AssertionError("engines still busy")
+
+
+def _prefill(smollm_fp32, port):
+    from tandem.server.engine import Engine
+
+    return Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32,
+                  disagg=DisaggConfig(role="prefill", bootstrap_port=port)).start()
+
+
+def _decode(smollm_fp32, heartbeat):
+    from tandem.server.engine import Engine
+
+    return Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32,
+                  disagg=DisaggConfig(role="decode", peer_heartbeat_interval=heartbeat)).start()
+
+
+def test_a_quietly_replaced_prefill_is_met_again(smollm_fp32):
+    """The prefill behind a bootstrap address is replaced while the decode hears nothing (no
+    goodbye, no heartbeat in time): its next registration is refused as unknown, it handshakes
+    with the new instance and registers again, and the request succeeds."""
+    port = free_port()
+    d, p = _decode(smollm_fp32, heartbeat=3600), _prefill(smollm_fp32, port)
+    try:
+        first = run_pair(p, d, port, list(range(100, 140)))["decode"]
+        p.shutdown()  # no drain: nobody is told
+        p = _prefill(smollm_fp32, port)
+        second = run_pair(p, d, port, list(range(100, 140)))["decode"]
+        assert second.finish_reason == "length" and second.output_ids == first.output_ids
+        assert (d.snapshot.peer_handshakes, d.snapshot.peer_rehandshakes, d.snapshot.bootstrap_failures) == (2, 1, 0)
+        assert_clean(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_heartbeats_mark_a_vanished_prefill_offline(smollm_fp32):
+    """An idle decode checks its prefill: two heartbeats unanswered and the peer is offline; the
+    next request meets the process that took the address over."""
+    port = free_port()
+    d, p = _decode(smollm_fp32, heartbeat=0.2), _prefill(smollm_fp32, port)
+    try:
+        run_pair(p, d, port, list(range(100, 140)))
+        p.shutdown()
+        deadline = time.monotonic() + 10
+        while d.snapshot.peers_offline == 0:
+            assert time.monotonic() < deadline, "the decode never noticed its prefill was gone"
+            time.sleep(0.05)
+        p = _prefill(smollm_fp32, port)
+        out = run_pair(p, d, port, list(range(100, 140)))["decode"]
+        assert out.finish_reason == "length" and out.error is None
+        assert (d.snapshot.peers_offline, d.snapshot.peer_rehandshakes, d.snapshot.bootstrap_failures) == (1, 1, 0)
+        assert_clean(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -1,0 +1,65 @@
+"""The checks the engine and server tests share: an engine left clean, and output compared with
+HF transformers running the same GGUF weights."""
+
+from __future__ import annotations
+
+
+def assert_engine_clean(engine) -> None:
+    """Nothing running or waiting; every page free or held (unpinned) by the prefix cache."""
+
+    def check():
+        engine.scheduler.check_integrity()
+        mem = engine.memory
+        assert not engine.scheduler.has_work(), "requests still queued or running"
+        assert mem.slots.num_free == mem.slots.num_slots, "a slot is still held"
+        assert mem.allocator.num_free + mem.cache.num_pages == mem.num_pages, "pages held outside the cache"
+        assert mem.cache.num_evictable == mem.cache.num_pages, "cached pages still pinned"
+
+    engine.call(check)
+
+
+class HFReference:
+    """Greedy decoding with HF transformers on the same GGUF weights (float32, CPU), recording the
+    top-2 logit gap at every generated position. Results are memoized per (prompt, length)."""
+
+    def __init__(self):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from tandem.server.model.loader import resolve_model
+
+        source = resolve_model("builtin:smollm2-135m")
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
+        ).eval()
+        self._memo: dict = {}
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._memo:
+            torch = self.torch
+            tokens, gaps = [], []
+            with torch.inference_mode():
+                out = self.model(torch.tensor([prompt_ids]), use_cache=True)
+                for _ in range(max_new_tokens):
+                    logits = out.logits[0, -1].float()
+                    top2 = logits.topk(2).values
+                    gaps.append(float(top2[0] - top2[1]))
+                    nxt = int(logits.argmax())
+                    tokens.append(nxt)
+                    out = self.model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+            self._memo[key] = (tokens, gaps)
+        return self._memo[key]
+
+
+def assert_matches_reference(got: list[int], want: list[int], gaps: list[float], label: str = "") -> None:
+    """Token-identical, except that a divergence is tolerated where the reference's top-2 logit
+    gap is below 1e-3 (a near tie that float rounding may flip); comparison stops there."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            assert gaps[i] < 1e-3, (
+                f"{label}: token {i} differs ({a} != {b}) where the reference's top-2 gap is {gaps[i]:.3g}"
+            )
+            return
+    assert len(got) == len(want), f"{label}: {len(got)} tokens, reference has {len(want)}"

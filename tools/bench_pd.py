@@ -1,0 +1,113 @@
+"""`tandem bench pd`: the `tandem bench serve` workload, run colocated (one server) and
+disaggregated (one prefill + one decode server, KV over Mooncake), each behind the smg router,
+in one run. Prints both results, the KV bytes moved, the prefill's KV write time per request
+(p50/p99) against TTFT, and Mooncake's TCP throughput against a plain memory copy of the same
+bytes. One JSON line per part, then a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.tools.bench_offline import make_workload
+from tandem.tools.bench_serve import openai_runner, drive
+
+
+def histogram_quantile(text: str, name: str, q: float) -> float:
+    """Prometheus' histogram_quantile over one exposition: linear within the bucket."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == f"{name}_bucket":
+                buckets.append((float(s.labels["le"]), s.value))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    if total == 0:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
+
+
+def transfer_vs_memcpy(nbytes: int, repeats: int = 20) -> dict:
+    """Mooncake TCP write (two engines in this process, over loopback) against torch's memcpy of
+    the same bytes, both timed over `repeats` copies."""
+    from tandem.server.disagg.transfer import MooncakeTransfer
+
+    src = torch.randn(nbytes // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    sender, receiver = MooncakeTransfer("127.0.0.1", "tcp"), MooncakeTransfer("127.0.0.1", "tcp")
+    src_addr, dst_addr = sender.register(src), receiver.register(dst)
+    size = src.numel() * 4
+    sender.write(receiver.session, [src_addr], [dst_addr], [size])  # warm the connection
+    start = time.perf_counter()
+    for _ in range(repeats):
+        sender.write(receiver.session, [src_addr], [dst_addr], [size])
+    mooncake_s = (time.perf_counter() - start) / repeats
+    assert torch.equal(src, dst), "Mooncake copy differs"
+    copy = torch.empty_like(src)
+    copy.copy_(src)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        copy.copy_(src)
+    memcpy_s = (time.perf_counter() - start) / repeats
+    return {"bytes": size, "mooncake_tcp_gb_s": round(size / mooncake_s / 1e9, 2),
+            "memcpy_gb_s": round(size / memcpy_s / 1e9, 2), "mooncake_over_memcpy": round(memcpy_s / mooncake_s, 3)}
+
+
+def run(args, engine_args: list[str]) -> int:
+    from tandem.server.model.loader import resolve_model
+    from tandem.tools.stack import LocalStack, metric_value
+    from tandem.server.tokenizer import load_tokenizer
+
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+    source = resolve_model(args.model)
+    tokenizer = load_tokenizer(source)
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-pd-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for mode, roles in (("colocated", ["colocated"]), ("disaggregated", ["prefill", "decode"])):
+        (logs / mode).mkdir(exist_ok=True)
+        with LocalStack(logs / mode, tuple(engine_args)) as stack:
+            servers = [stack.start_server(role) for role in roles]
+            stack.wait()
+            base = stack.start_router()
+            run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
+            result = {"bench": "pd", "mode": mode, **drive(run_one, work, args.concurrency)}
+            if mode == "disaggregated":
+                prefill = servers[0].metrics_text()
+                sent = metric_value(prefill, "tandem_kv_transfer_bytes_total")
+                write = [histogram_quantile(prefill, "tandem_kv_transfer_latency_seconds", q) for q in (0.5, 0.99)]
+                result.update({
+                    "kv_bytes_moved": int(sent),
+                    "kv_bytes_per_request": int(sent / len(work)),
+                    "kv_write_p50_ms": round(write[0] * 1000, 2),
+                    "kv_write_p99_ms": round(write[1] * 1000, 2),
+                    "kv_write_p50_share_of_ttft_p50": round(write[0] / result["ttft_p50_s"], 4),
+                    "kv_write_p99_share_of_ttft_p99": round(write[1] / result["ttft_p99_s"], 4),
+                    "kv_transfer_failures": int(metric_value(prefill, "tandem_kv_transfer_failures_total")),
+                })
+            results[mode] = result
+            print(json.dumps(result), flush=True)
+    copy = {"bench": "pd", "mode": "copy", **transfer_vs_memcpy(results["disaggregated"]["kv_bytes_per_request"])}
+    print(json.dumps(copy), flush=True)
+    colo, pd = results["colocated"], results["disaggregated"]
+    print(json.dumps({
+        "bench": "pd", "mode": "summary",
+        "throughput_pd_over_colocated": round(pd["output_tokens_per_s"] / colo["output_tokens_per_s"], 3),
+        "ttft_p50_pd_over_colocated": round(pd["ttft_p50_s"] / colo["ttft_p50_s"], 3),
+        "tpot_p50_pd_over_colocated": round(pd["tpot_p50_ms"] / colo["tpot_p50_ms"], 3),
+    }))
+    return 0

@@ -1,0 +1,215 @@
+"""A local serving stack of real processes on 127.0.0.1: `tandem serve` servers (colocated,
+prefill, decode) and the `smg` router in front. `tandem demo` and `tandem bench pd` run on it;
+the tests use its waiting helpers.
+
+Ownership: the stack started every process it lists and stops all of them on close (SIGTERM,
+then SIGKILL after a grace period), including when the caller is interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(target: str, proc: subprocess.Popen, log_path: Path, timeout: float = 240) -> None:
+    """Until the server at `target` reports SERVING on grpc.health.v1; raise if it exits first."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(f"server {target} not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
+
+
+def http_post(base: str, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
+    """POST JSON; (HTTP status, body), or (0, why) when nothing answered."""
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        return 0, str(e)
+
+
+def wait_router_ready(base: str, proc: subprocess.Popen, log_path: Path, model: str, timeout: float = 120) -> None:
+    """Until the router generates through its workers (registered, tokenizer loaded)."""
+    deadline = time.monotonic() + timeout
+    probe = {"model": model, "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        status, body = http_post(base, "/generate", probe, timeout=30)
+        if status == 200:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"router not ready after {timeout}s ({status} {body[:200]}):\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def spawn_server(args: list[str], log_path: Path, port: int | None = None,
+                 metrics_port: int | None = None) -> tuple[subprocess.Popen, int, int]:
+    """Start `tandem serve --host 127.0.0.1` (not waiting) on the given ports, or free ones:
+    (process, gRPC port, metrics port). `args` are further serve flags (role, engine settings).
+    A server started at given ports (a restart) appends to its log; a new one starts it afresh."""
+    mode = "a" if port else "w"
+    port, metrics_port = port or free_port(), metrics_port or free_port()
+    cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--metrics-port", str(metrics_port), *args]
+    with open(log_path, mode) as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, port, metrics_port
+
+
+def spawn_router(workers: list[str], tokenizer_dir: str, log_path: Path) -> tuple[subprocess.Popen, int]:
+    """Start `smg launch` on a free port (not waiting): (process, HTTP port). `workers` name the
+    workers: `--worker-urls ...`, or `--pd-disaggregation --prefill ... --decode ...`."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), *workers,
+             "--model-path", tokenizer_dir, "--worker-startup-check-interval", "1", "--log-level", "warn",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    return proc, port
+
+
+def metrics_text(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str) -> float:
+    """Sample `name` in a Prometheus exposition, summed over its label sets; KeyError if absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    if not values:
+        raise KeyError(f"metric {name} not exported")
+    return sum(values)
+
+
+# smg treats a PD leg that answers nothing for 3 s as a wedged worker; a CPU prefill of a few long
+# prompts takes longer than that. A server being restarted is excluded once the router has had no
+# contact with it for 2 s (--worker-stall-secs) and a load poll (each second) fails; until then,
+# retries (each with a new prefill/decode pair and room, about 5 s in all) carry its requests.
+ROUTER_PD_ARGS = ("--worker-wedge-secs", "120", "--load-monitor-interval", "1", "--retry-max-retries", "10",
+                  "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000")
+
+
+@dataclass
+class Server:
+    role: str
+    proc: subprocess.Popen
+    port: int
+    metrics_port: int
+    log_path: Path
+    bootstrap_port: int | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def metrics_text(self) -> str:
+        return metrics_text(self.metrics_port)
+
+
+@dataclass
+class LocalStack:
+    log_dir: Path
+    engine_args: tuple[str, ...] = ()
+    model_name: str = "smollm2"
+    servers: list[Server] = field(default_factory=list)
+    router: subprocess.Popen | None = None
+    router_port: int = 0
+
+    def start_server(self, role: str, *extra: str) -> Server:
+        """Launch `tandem serve --role ROLE` (not waiting; see wait())."""
+        bootstrap = free_port() if role == "prefill" else None
+        args = ["--role", role, "--served-model-name", self.model_name, *self.engine_args, *extra]
+        if bootstrap is not None:
+            args += ["--bootstrap-port", str(bootstrap)]
+        log_path = self.log_dir / f"{role}-{len(self.servers)}.log"
+        proc, port, metrics_port = spawn_server(args, log_path)
+        server = Server(role, proc, port, metrics_port, log_path, bootstrap)
+        self.servers.append(server)
+        return server
+
+    def wait(self) -> None:
+        for server in self.servers:
+            wait_healthy(server.target, server.proc, server.log_path)
+
+    def tokenizer_dir(self) -> str:
+        import grpc
+        from smg_grpc_proto import sglang_scheduler_pb2 as pb
+        from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.servers[0].target) as channel:
+            return pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
+
+    def start_router(self) -> str:
+        """`smg launch` over every server (PD mode when there are prefill servers); returns its
+        base URL once it generates."""
+        prefills = [s for s in self.servers if s.role == "prefill"]
+        if prefills:
+            workers = ["--pd-disaggregation", *ROUTER_PD_ARGS]
+            for s in prefills:
+                workers += ["--prefill", f"grpc://{s.target}", str(s.bootstrap_port)]
+            workers += [a for s in self.servers if s.role == "decode" for a in ("--decode", f"grpc://{s.target}")]
+        else:
+            workers = ["--worker-urls", *(f"grpc://{s.target}" for s in self.servers)]
+        log_path = self.log_dir / "router.log"
+        self.router, self.router_port = spawn_router(workers, self.tokenizer_dir(), log_path)
+        wait_router_ready(self.router_url, self.router, log_path, self.model_name)
+        return self.router_url
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def close(self, grace: float = 30) -> None:
+        procs = ([self.router] if self.router else []) + [s.proc for s in self.servers]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> "LocalStack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
