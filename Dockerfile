@@ -4,7 +4,7 @@
 #   router    `smg`, the gateway in front of the prefill and decode pools
 #   operator  `tandem operator`: turns InferenceServices into pools and a router
 # No image has been built from this file here (no Docker engine, no access to Docker Hub):
-# tests/test_dockerfile.py lints it with hadolint and checks its entry points, sources and pins.
+# tests/packaging/test_dockerfile.py lints it with hadolint and checks its entry points, sources and pins.
 # The base image tags appear in public Dockerfiles but were not pulled here, so they are not pinned
 # by digest: where Docker Hub is reachable, pin each one as TAG@sha256:DIGEST.
 ARG PY_IMAGE=python:3.11.14-slim-bookworm

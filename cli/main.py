@@ -20,8 +20,9 @@ CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
 
 def changed_engine_flags(args: argparse.Namespace) -> list[str]:
     """The EngineConfig flags given on this command line, to pass on to `tandem serve`."""
-    return [f"{flag(f.name)}={getattr(args, f.name)}" for f in dataclasses.fields(EngineConfig)
-            if getattr(args, f.name) != f.default]
+    changed = [(f.name, getattr(args, f.name)) for f in dataclasses.fields(EngineConfig) if getattr(args, f.name) != f.default]
+    return [(flag(name) if value else flag(f"no_{name}")) if isinstance(value, bool) else f"{flag(name)}={value}"
+            for name, value in changed]
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -96,13 +97,13 @@ def cmd_operator(args) -> int:
 def cmd_client_generate(args) -> int:
     from tandem.tools.client import generate
 
-    return generate(args, from_args(args, SamplingParams))
+    return generate(args, from_args(args, SamplingParams, seed=None))
 
 
 def cmd_chat(args) -> int:
     from tandem.tools.client import chat
 
-    return chat(args, from_args(args, SamplingParams))
+    return chat(args, from_args(args, SamplingParams, seed=None))
 
 
 def cmd_bench_serve(args) -> int:
@@ -195,13 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     cgen.add_argument("--prefill-target", help="HOST:PORT of a prefill server: send a disaggregated request "
                       "(prefill leg there, decode leg to --target)")
     cgen.add_argument("--bootstrap-port", type=int, default=8998, help="the prefill server's bootstrap port")
-    _sampling_arguments(cgen)
+    _sampling_arguments(cgen, exclude=("seed",))  # the wire has no seed
     cgen.set_defaults(func=cmd_client_generate)
 
     chat = sub.add_parser("chat", help="chat with a running server (one line per turn; empty line or EOF ends)")
     chat.add_argument("--target", default="127.0.0.1:30000")
     chat.add_argument("--model", default=EngineConfig.model)
-    _sampling_arguments(chat)
+    _sampling_arguments(chat, exclude=("seed",))
     chat.set_defaults(func=cmd_chat)
 
     demo = sub.add_parser("demo", help="prefill + decode servers and the smg router on 127.0.0.1; stream a few chat answers")

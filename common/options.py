@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = 
             kwargs["choices"] = typing.get_args(hint)
         elif typing.get_origin(hint) is tuple:
             kwargs.update(action="append", type=typing.get_args(hint)[0], default=None,
-                          help=f"{f.metadata['help']} (repeatable)")
+                          help=f"{f.metadata['help']} (repeatable; default: {default})")
         else:
             args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
             kwargs["type"] = args[0]
@@ -45,7 +45,9 @@ def from_args(args: argparse.Namespace, cls, **fixed):
         if f.name in fixed:
             continue
         value = getattr(args, f.name)
-        values[f.name] = tuple(value or ()) if typing.get_origin(typing.get_type_hints(cls)[f.name]) is tuple else value
+        if typing.get_origin(typing.get_type_hints(cls)[f.name]) is tuple:  # a repeatable flag: None when not given
+            value = f.default if value is None else tuple(value)
+        values[f.name] = value
     return cls(**values, **fixed)
 
 

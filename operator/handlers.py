@@ -259,7 +259,11 @@ def autoscale_once(namespace: str, name: str) -> float:
             return 5.0
         if not inst.spec.autoscaling.enabled:
             return 5.0
-        scaled, changes = AUTOSCALER.tick(inst, status)
+        try:
+            scaled, changes = AUTOSCALER.tick(inst, status)
+        except SpecError as e:  # a status edited into a shape the operator never writes
+            kopf.warn(owner, reason="AutoscalerStatusInvalid", message=f"not autoscaling: {e}")
+            return 5.0
         owner["status"] = status = with_autoscaler(status, scaled)
         for change in changes:
             kopf.info(owner, reason=change.reason, message=change.message)

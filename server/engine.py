@@ -107,6 +107,8 @@ class Engine:
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> "Engine":
         """Run the loop on its thread."""
+        if self.inbox.closed:
+            raise RuntimeError("the engine is shut down")
         self._thread.start()
         return self
 
@@ -119,9 +121,8 @@ class Engine:
         if self._thread.ident is not None:
             self.inbox.stop()
             self._thread.join()
-        elif not self.inbox.closed:  # never started: only the connector (a listening bootstrap service) runs
-            self.inbox.close()
-            self.connector.close()
+        elif not self.inbox.closed:  # never started: end what was submitted, close the connector
+            self._close(self.inbox.close())
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -195,14 +196,20 @@ class Engine:
             log.exception("engine loop crashed")
             raise
         finally:
-            left = self.inbox.close()  # nothing can be enqueued any more: end every request
-            self.connector.close()
-            for message in left:
-                if isinstance(message, Add):
-                    self.outputs.open(message.stream)
-                elif isinstance(message, Call):
-                    message.future.set_exception(RuntimeError("the engine is shut down"))
-            self.outputs.close_all("engine stopped")
+            self._close(self.inbox.close())
+
+    def _close(self, left: list[Message]) -> None:
+        """The loop is over (`left`: what the closed inbox still held). Requests that ended in the
+        scheduler go to the connector first (a prefill starts their KV writes, which closing it
+        waits for); every stream still open ends with finish_reason abort."""
+        self.connector.poll(self.scheduler.take_handed_off(), 0)  # what it asks of a stopped loop is moot
+        self.connector.close()
+        for message in left:
+            if isinstance(message, Add):
+                self.outputs.open(message.stream)
+            elif isinstance(message, Call):
+                message.future.set_exception(RuntimeError("the engine is shut down"))
+        self.outputs.close_all("engine stopped")
 
     def _idle_timeout(self) -> float | None:
         """How long the loop may wait for inbox traffic: 0 when the scheduler has work."""

@@ -12,7 +12,8 @@ from tandem.server.sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"  # in the waiting queue, no slot, no private pages
     RUNNING = "running"  # holds a slot and pages; prefilling (maybe in chunks) or decoding
-    FINISHED = "finished"
+    FINISHED = "finished"  # ended; may still hold its slot and pages for their next owner (a KV
+    # connector sending them, or keeping them while a peer may still write them), which frees them
 
 
 @dataclass(frozen=True)

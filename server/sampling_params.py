@@ -32,7 +32,7 @@ class SamplingParams:
     The command line's sampling flags are generated from these fields (`tandem.common.options`).
     """
 
-    max_new_tokens: int | None = opt(128, "tokens to generate at most (none: up to the context length)")
+    max_new_tokens: int | None = opt(128, "tokens to generate at most (a request that leaves it unset: up to the context length)")
     temperature: float = opt(1.0, "softmax temperature; 0 is greedy")
     top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass")
     top_k: int = opt(-1, "keep the k most likely tokens; -1 or 0 keeps all, 1 is greedy")

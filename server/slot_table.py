@@ -1,7 +1,7 @@
 """Request slots: a bounded table of the requests that hold KV pages, slot -> request.
 
-A slot is a small stable integer the runner and the KV connectors use to index per-request state
-(arrival records, say); the number of slots is the hard cap on requests that hold KV pages at once.
+A slot is a small stable integer that indexes per-request state (the KV connectors' arrival
+records); the number of slots is the hard cap on requests that hold KV pages at once.
 """
 
 from __future__ import annotations

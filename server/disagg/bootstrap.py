@@ -9,7 +9,6 @@ says goodbye when it shuts down (`POST /v1/peers/leave`); `GET /v1/peers` lists 
 registered now. KV itself never passes through here: prefill writes it with Mooncake one-sided
 writes.
 
-
 Identity: both processes get an instance id on each start. Every answer of this service carries
 the prefill's (`instance`), so a decode sees at once that the process behind an address was
 replaced. Errors carry the table's refusal `reason` (rooms.py) with their HTTP status: 404

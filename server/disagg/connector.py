@@ -33,7 +33,7 @@ class ConnectorEvents:
     admit: list[Request] = field(default_factory=list)  # into the scheduler's waiting queue
     arrived: list[tuple[Request, int]] = field(default_factory=list)  # KV in place: run with this first token
     aborts: list[tuple[str, str, str | None]] = field(default_factory=list)  # (rid, message, code): end these
-    ended: list[tuple[Request, Finish]] = field(default_factory=list)  # held here, ended; pages stay with us
+    ended: list[tuple[Request, Finish]] = field(default_factory=list)  # held here, ended (pages freed or quarantined)
 
     def end(self, req: Request, message: str, code: str | None) -> None:
         self.ended.append((req, Finish("abort", message=message, code=code)))

@@ -132,7 +132,7 @@ class DecodeConnector(KVConnector):
         self.pending: dict[str, _Pending] = {}
         self.quarantine: list[_Quarantined] = []
         self._events = ConnectorEvents()  # what the current poll hands the loop
-        self._headroom = 0  # pages the running requests keep for their output, as of the current poll
+        self._reserved_tokens = 0  # KV the running requests keep for their output, as of the current poll
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0,
                          "peer_handshakes": 0, "peer_rehandshakes": 0, "peers_offline": 0}
         self.kv_bytes_per_page = 2 * layout.num_layers * layout.page_bytes
@@ -284,7 +284,7 @@ class DecodeConnector(KVConnector):
 
     # -- the queues -------------------------------------------------------------------------------
     def poll(self, finished: list[Request], reserved_tokens: int) -> ConnectorEvents:
-        now, self._events, self._headroom = time.monotonic(), ConnectorEvents(), self.memory.pages_for(reserved_tokens)
+        now, self._events, self._reserved_tokens = time.monotonic(), ConnectorEvents(), reserved_tokens
         for peer in self._known_peers():
             self._update_peer(peer, now)
         for p in list(self.pending.values()):
@@ -372,7 +372,8 @@ class DecodeConnector(KVConnector):
 
     def _reserve(self, req: Request) -> bool:
         """A slot and pages for the prompt, leaving the running requests their output headroom."""
-        if self.memory.available_pages - self.memory.pages_for(req.prompt_len) < self._headroom:
+        headroom = self.memory.pages_for(self._reserved_tokens)
+        if self.memory.available_pages - self.memory.pages_for(req.prompt_len) < headroom:
             return False
         return self.memory.reserve(req, req.prompt_len)
 
@@ -387,6 +388,9 @@ class DecodeConnector(KVConnector):
         self.counters["kv_transfer_bytes"] += self.memory.pages_for(req.prompt_len) * self.kv_bytes_per_page
         self.on_transfer(now - p.registered_at)
         self._events.arrived.append((req, record.first_token))
+        # It joins the running batch after this poll: until the next one counts it at the
+        # scheduler's ratio, reserve its whole output budget.
+        self._reserved_tokens += req.max_new_tokens - 1
 
     def _fail(self, p: _Pending, message: str, code: str | None) -> None:
         """End a request no live prefill will write to: its pages are free at once."""

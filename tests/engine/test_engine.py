@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from tandem.server.config import EngineConfig
+from tandem.server.inbox import Call
 from tandem.server.model.loader import ModelLoadError, load_weights, resolve_model
 from tandem.server.sampling_params import InvalidRequestError, SamplingParams
 
@@ -256,6 +257,25 @@ def test_stopped_engine_refuses_and_ends_everything(smollm_fp32):
     with pytest.raises(RuntimeError, match="shut down"):
         engine.call(lambda: None)
     engine.abort("anything")  # harmless
+
+
+def test_engine_shut_down_before_it_started_ends_what_was_submitted(smollm_fp32):
+    """The loop runs only after start(); what was submitted before a shutdown still ends."""
+    from concurrent.futures import Future
+
+    from tandem.server.engine import Engine
+
+    engine = Engine(EngineConfig(max_total_tokens=2048), model=smollm_fp32)
+    stream = engine.submit("never run", GREEDY, rid="early")
+    pending: Future = Future()
+    engine.inbox.put(Call(lambda: 1, pending))
+    engine.shutdown()
+    assert stream.result().finish_reason == "abort" and not engine.alive
+    with pytest.raises(RuntimeError, match="shut down"):
+        pending.result(timeout=1)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.start()
+    engine.shutdown()  # twice is harmless
 
 
 def test_hf_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):

@@ -303,7 +303,7 @@ def test_build_sources_exist_and_are_in_the_context():
         files = [path] if path.is_file() else [p for p in path.rglob("*.py") if "__pycache__" not in p.parts]
         for f in files:
             assert not dockerignored(str(f.relative_to(REPO))), f"{stage}: .dockerignore leaves out {f}"
-    assert dockerignored(".venv/bin/python") and dockerignored(".git/HEAD") and dockerignored("tests/test_demo.py")
+    assert dockerignored(".venv/bin/python") and dockerignored(".git/HEAD") and dockerignored("tests/e2e/test_demo.py")
 
 
 def test_wheel_stage_builds_every_package():

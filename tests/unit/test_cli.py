@@ -1,0 +1,37 @@
+"""The `tandem` command line: flags generated from the config dataclasses, and what one command
+passes on to another."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.cli.main import build_parser, changed_engine_flags
+from tandem.common.options import from_args
+from tandem.server.config import EngineConfig
+from tandem.server.sampling_params import SamplingParams
+
+
+def test_engine_flags_passed_on_to_serve_parse_there_to_the_same_config():
+    """`tandem demo` and `bench pd` hand their changed engine flags to `tandem serve`, booleans included."""
+    demo = build_parser().parse_args(["demo", "--enable-mixed-chunk", "--page-size", "32", "--no-disable-radix-cache",
+                                      "--schedule-policy", "lpm"])
+    passed = changed_engine_flags(demo)
+    assert "--enable-mixed-chunk" in passed and not any(p.startswith("--disable-radix-cache") for p in passed)
+    serve = build_parser().parse_args(["serve", *passed])
+    assert from_args(serve, EngineConfig) == from_args(demo, EngineConfig)
+    assert from_args(serve, EngineConfig).enable_mixed_chunk and from_args(serve, EngineConfig).page_size == 32
+
+
+def test_sampling_flags_come_from_sampling_params_greedy_by_default():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--stop", "a", "--stop", "b", "--top-k", "5",
+                                      "--ignore-eos", "--stop-token-ids", "7"])
+    params = from_args(args, SamplingParams, seed=None)
+    assert params == SamplingParams(temperature=0.0, top_k=5, stop=("a", "b"), stop_token_ids=(7,), ignore_eos=True)
+    assert from_args(build_parser().parse_args(["generate", "--prompt", "x"]), SamplingParams, seed=None) == \
+        SamplingParams(temperature=0.0)
+
+
+@pytest.mark.parametrize("command", [["client", "generate", "--prompt", "x"], ["chat"]])
+def test_clients_have_no_seed_flag_the_wire_cannot_carry(command):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--seed", "3"])
