@@ -202,8 +202,13 @@ class Engine:
         """The loop is over (`left`: what the closed inbox still held). Requests that ended in the
         scheduler go to the connector first (a prefill starts their KV writes, which closing it
         waits for); every stream still open ends with finish_reason abort."""
-        self.connector.poll(self.scheduler.take_handed_off(), 0)  # what it asks of a stopped loop is moot
-        self.connector.close()
+        finished = self.scheduler.take_handed_off()
+        try:
+            if finished:
+                self.connector.poll(finished, 0)  # what it asks of a stopped loop is moot
+            self.connector.close()
+        except Exception:  # the streams below must end whatever happened to the loop
+            log.exception("closing the KV connector failed")
         for message in left:
             if isinstance(message, Add):
                 self.outputs.open(message.stream)
