@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from support.serving import PDStack, RouterProcess, ServerProcess, assert_all_freed, metric_value
+from support.serving import PDStack, RouterProcess, ServerProcess, assert_all_freed, metric_value, wait_for
 from tandem.tools.stack import ROUTER_PD_ARGS
 
 # Heartbeats every second (the default is 5 s) keep the scenarios short; the rules are the same.
@@ -70,13 +70,6 @@ def in_flight(router: RouterProcess, prompts: list[list[int]], max_new_tokens: i
     joiner = threading.Thread(target=lambda: [t.join() for t in threads])
     joiner.start()
     return joiner, results
-
-
-def wait_for(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
-        time.sleep(0.05)
 
 
 def counter(server: ServerProcess, name: str) -> float:

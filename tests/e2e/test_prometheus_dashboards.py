@@ -27,6 +27,7 @@ from tandem.operator.spec import parse_spec
 from tandem.operator.status import with_autoscaler
 from tandem.tools.stack import LocalStack, free_port, http_post
 from support.chart import rendered_rules
+from support.serving import wait_for
 
 NAMESPACE, SERVICE = "tandem-test", "smollm2"
 SCRAPE_SECONDS = 1
@@ -78,13 +79,6 @@ def static_job(name: str, port: int, **labels: str) -> dict:
             "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": labels}]}
 
 
-def wait_for(predicate, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
-
-
 def chat(base: str, i: int) -> None:
     status, body = http_post(base, "/v1/chat/completions", {
         "model": "smollm2", "max_tokens": 16, "temperature": 0,
@@ -123,7 +117,7 @@ def observed_stack(tmp_path_factory):
                          "spec": {"containers": [{"ports": [{"name": "metrics", "containerPort": server.metrics_port}]}]},
                          "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}]
 
-            wait_for(lambda: prom.targets_up() == 3, "Prometheus scraping every target")
+            wait_for(lambda: prom.targets_up() == 3, "Prometheus scraping every target", timeout=30, interval=0.3)
             scaler, status = Scaler(list_pods, time.time), {}
             with ThreadPoolExecutor(4) as pool:
                 requests = [pool.submit(chat, base, i) for i in range(8)]
@@ -134,7 +128,7 @@ def observed_stack(tmp_path_factory):
                     r.result()
             status = with_autoscaler(status, scaler.tick(inst, status)[0])
             assert status["decode"]["lastScaling"]["toReplicas"] == 2
-            wait_for(lambda: prom.query("tandem_autoscaler_decisions_total"), "the autoscaler's decision scraped")
+            wait_for(lambda: prom.query("tandem_autoscaler_decisions_total"), "the autoscaler's decision scraped", timeout=30, interval=0.3)
             time.sleep(3 * SCRAPE_SECONDS)  # a few samples after the requests, for rate()
             yield prom, pods, by_pool
         finally:

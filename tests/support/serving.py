@@ -13,7 +13,8 @@ from tandem.tools.stack import (
     free_port, http_post, metric_value, metrics_text, spawn_router, spawn_server, wait_healthy, wait_router_ready,
 )
 
-__all__ = ["PDStack", "RouterProcess", "ServerProcess", "assert_all_freed", "free_port", "http_post", "metric_value"]
+__all__ = ["PDStack", "RouterProcess", "ServerProcess", "assert_all_freed", "free_port", "http_post", "metric_value",
+           "wait_for"]
 
 
 class ServerProcess:
@@ -144,3 +145,11 @@ def assert_all_freed(servers, timeout: float = 30) -> None:
             return
         assert time.monotonic() < deadline, f"still held after {timeout}s: {busy}"
         time.sleep(0.2)
+
+
+def wait_for(condition, what: str, timeout: float = 60, interval: float = 0.05) -> None:
+    """Poll `condition()` until it is true; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        time.sleep(interval)
