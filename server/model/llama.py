@@ -2,9 +2,8 @@
 
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
-(q|k|v, gate|up) to halve the number of GEMM calls, and stored transposed, [in, out], computed as
-`x @ W`: on CPU that runs small-batch (decode) GEMMs 2-4x faster than F.linear's [out, in]
-(measured at batch 8-32, equal at batch 1 and >= 64), and it is as good on GPU.
+(q|k|v, gate|up) to halve the number of GEMM calls; `tandem.kernels.linear.Linear` holds each
+weight in the form the device multiplies fastest.
 """
 
 from __future__ import annotations
@@ -16,12 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.attention import AttentionBackend
+from tandem.kernels.linear import Linear
 from tandem.server.model.config import ModelConfig
-
-
-def _transposed(weight: torch.Tensor) -> nn.Parameter:
-    """An HF [out, in] weight stored as a contiguous [in, out] parameter."""
-    return nn.Parameter(weight.t().contiguous(), requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,32 +57,27 @@ class DecoderLayer(nn.Module):
         p = f"model.layers.{index}."
         self.index = index
         self.config = config
-        qkv = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-        self.qkv_weight = _transposed(torch.cat(qkv))
-        self.qkv_bias = None
+        qkv_bias = None
         if config.attention_bias:
-            self.qkv_bias = nn.Parameter(torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]), requires_grad=False)
-        self.o_weight = _transposed(w[p + "self_attn.o_proj.weight"])
-        gate_up = [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]
-        self.gate_up_weight = _transposed(torch.cat(gate_up))
-        self.down_weight = _transposed(w[p + "mlp.down_proj.weight"])
+            qkv_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        self.qkv = Linear(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]), qkv_bias)
+        self.o = Linear(w[p + "self_attn.o_proj.weight"])
+        self.gate_up = Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
+        self.down = Linear(w[p + "mlp.down_proj.weight"])
         self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         c = self.config
         x = rms_norm(h, self.input_norm, c.rms_norm_eps)
-        qkv = x @ self.qkv_weight
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
-        h = h + o.reshape(-1, c.q_size) @ self.o_weight
+        h = h + self.o(o.reshape(-1, c.q_size))
         x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gate, up = (x @ self.gate_up_weight).chunk(2, dim=-1)
-        return h + (F.silu(gate) * up) @ self.down_weight
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,13 +94,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         compute_dtype = compute_dtype or dtype
-        w = {k: v.to(dtype=dtype).to(compute_dtype) for k, v in weights.items() if k != "rope_freqs"}
+        w = {k: v.to(dtype=dtype).to(compute_dtype).to(device) for k, v in weights.items() if k != "rope_freqs"}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, w) for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
-        # Kept apart from the embedding even when tied: lookups want [vocab, hidden] rows, the
-        # logits GEMM wants [hidden, vocab].
-        self.lm_head = _transposed(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,
+        # the logits GEMM its own layout.
+        self.lm_head = Linear(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
         self.register_buffer("inv_freq", rope_inv_freq(config, weights.get("rope_freqs")), persistent=False)
         self.to(device)
 
@@ -127,4 +117,4 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.lm_head).float()
+        return self.lm_head(hidden).float()

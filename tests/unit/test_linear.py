@@ -1,0 +1,59 @@
+"""The projection kernel (`tandem.kernels.linear.Linear`) against float64 products: every form a
+weight can be held in (oneDNN-packed, transposed, plain), every batch size a step uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels.linear import Linear, onednn_supports
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_on_cpu_is_onednn_and_exact_to_float32_rounding(rows, with_bias):
+    torch.manual_seed(rows)
+    w = torch.randn(960, 576) * 0.05
+    b = torch.randn(960) if with_bias else None
+    x = torch.randn(rows, 576)
+    linear = Linear(w, b)
+    # Every x86 and arm64 CPU build of torch has oneDNN: the fast path is the one the exactness
+    # tests against HF transformers run.
+    assert torch.backends.mkldnn.is_available() and linear.kind == "onednn"
+    y = linear(x)
+    assert y.shape == (rows, 960) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), reference(x, w, b), rtol=1e-5, atol=1e-5)
+    # the same products as the plain float32 GEMM, to float32 rounding
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_a_dtype_onednn_cannot_take_here_stays_a_transposed_tensor(rows):
+    torch.manual_seed(0)
+    w = (torch.randn(256, 128) * 0.05).bfloat16()
+    b = torch.randn(256).bfloat16()
+    x = torch.randn(rows, 128).bfloat16()
+    linear = Linear(w, b)
+    assert linear.kind == ("onednn" if onednn_supports(torch.bfloat16) else "transposed")
+    y = linear(x)
+    assert y.shape == (rows, 256) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), reference(x, w, b), rtol=2e-2, atol=2e-2)
+
+
+
+def test_auto_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
+    from tandem.server import model
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512f"])
+    dtype, why = model.resolve_dtype("auto", cpu)
+    assert dtype == "float32" and "neither AVX512-BF16 nor AMX" in why
+    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+    assert model.resolve_dtype("auto", cpu) == ("bfloat16", "auto: this CPU multiplies bfloat16 natively (avx512_bf16)")
+    assert model.resolve_dtype("auto", cuda)[0] == "bfloat16"
+    assert model.resolve_dtype("float32", cpu) == ("float32", "asked for")
