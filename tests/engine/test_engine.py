@@ -292,3 +292,24 @@ def test_hf_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
     assert (source.kind, source.path, source.name) == ("hf", snapshot, "tiny")
     with pytest.raises(ModelLoadError, match=r"--model 'hf:acme/absent': no cached snapshot .*never downloads"):
         resolve_model("hf:acme/absent")
+
+
+def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_here(monkeypatch):
+    """All torch work on one thread (the OpenMP pools: see server/engine.py); what loading raises
+    comes out of the constructor, and nothing is left running."""
+    from tandem.server import engine as engine_module
+
+    loaded_on = []
+
+    def failing_load(*args):
+        loaded_on.append(threading.current_thread())
+        raise ModelLoadError("--model 'x': cannot read the model")
+
+    monkeypatch.setattr(engine_module, "load_model", failing_load)
+    with pytest.raises(ModelLoadError, match="cannot read the model"):
+        engine_module.Engine(EngineConfig(max_total_tokens=2048))
+    [thread] = loaded_on
+    assert thread.name == "tandem-engine" and thread is not threading.current_thread()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
