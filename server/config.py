@@ -19,7 +19,8 @@ BUILTIN_MODEL = "builtin:smollm2-135m"
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, a HF safetensors directory, or hf:<org>/<name> from the local HF cache")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "weight and activation dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "weight and activation dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     attention_backend: Literal["auto", "torch", "flashinfer"] = opt(
         "auto", "attention kernels: flashinfer on CUDA, torch elsewhere"

@@ -123,7 +123,7 @@ def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, to
         "served_model_name": name,
         "tokenizer_path": tokenizer_path,
         "page_size": c.page_size,
-        "dtype": c.dtype,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
         "context_length": engine.context_length,
         "max_total_tokens": engine.max_total_tokens,
         "max_running_requests": c.max_running_requests,

@@ -59,13 +59,14 @@ def run_tandem(config: EngineConfig, work) -> dict:
 def run_hf(config: EngineConfig, work, batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tandem.server.model import DTYPES
+    from tandem.server.model import DTYPES, resolve_device, resolve_dtype
     from tandem.server.model.loader import resolve_model
 
+    dtype, _ = resolve_dtype(config.dtype, resolve_device("cpu"))
     source = resolve_model(config.model)
     kwargs = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     model_dir = source.path.parent if source.kind == "gguf" else source.path
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[config.dtype], **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], **kwargs).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def generate(batch):

@@ -43,6 +43,29 @@ def resolve_device(device: str) -> torch.device:
 _CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags (/proc/cpuinfo), empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[str, str]:
+    """The dtype to load with, and why: `auto` is bfloat16 where the device multiplies it natively
+    (CUDA; a CPU with AVX512-BF16 or AMX), else float32, which a CPU without them computes as
+    fast as emulated bfloat16 and exactly."""
+    if dtype != "auto":
+        return dtype, "asked for"
+    if device.type == "cuda":
+        return "bfloat16", "auto: CUDA"
+    native = [flag for flag in _CPU_HALF_FLAGS[torch.bfloat16] if flag in cpu_flags()]
+    if native:
+        return "bfloat16", f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)})"
+    return "float32", "auto: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 would be emulated"
+
+
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype to do math in (and keep the KV cache in). A CPU without bf16/fp16 instructions
     emulates them 2-4x slower than float32 (measured: GEMMs and SDPA); there the weights keep
@@ -50,27 +73,27 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     the math: a 16-bit cache would cost a conversion of every gathered page on every layer."""
     if device.type != "cpu" or dtype not in _CPU_HALF_FLAGS:
         return dtype
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = cpu_flags()
     return dtype if any(flag in flags for flag in _CPU_HALF_FLAGS[dtype]) else torch.float32
 
 
 def load_model(model: str, dtype: str, device: str) -> LoadedModel:
     from tandem.server.tokenizer import load_tokenizer
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPES)}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r} is invalid: choose auto or one of {', '.join(DTYPES)}")
     source = resolve_model(model)
     config, weights = load_weights(source)
     dev = resolve_device(device)
+    dtype, why = resolve_dtype(dtype, dev)
     compute = compute_dtype_for(DTYPES[dtype], dev)
     if compute != DTYPES[dtype]:
-        log.info("%s weights, float32 math and KV cache: this CPU has no native %s instructions", dtype, dtype)
+        why += f"; float32 math and KV cache: this CPU has no native {dtype} instructions"
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute)
+    log.info("%s on %s: %s weights (%s); projections %s; CPU flags: %s", source.name, dev, dtype, why,
+             module.lm_head.describe(), " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-")
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev)
 
 
-__all__ = ["LoadedModel", "ModelConfig", "ModelLoadError", "load_model", "resolve_device", "compute_dtype_for", "DTYPES"]
+__all__ = ["LoadedModel", "ModelConfig", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype", "compute_dtype_for",
+           "cpu_flags", "DTYPES"]
