@@ -140,6 +140,18 @@ def cmd_bench_pd(args) -> int:
     return run(args, engine_args)
 
 
+def cmd_bench_linear(args) -> int:
+    from tandem.tools.bench_linear import run
+
+    return run(args)
+
+
+def cmd_bench_peers(args) -> int:
+    from tandem.tools.bench_peers import run
+
+    return run(args, changed_engine_flags(args))
+
+
 def cmd_bench_autoscale(args) -> int:
     from tandem.operator.simulate import SimConfig, report_dict, report_text, simulate
 
@@ -245,6 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)
+
+    blin = bench_sub.add_parser("linear", help="the model's projections in each form a weight can be held in "
+                                "(F.linear, x @ W, oneDNN-packed), per batch size and dtype")
+    blin.add_argument("--model", default=EngineConfig.model)
+    blin.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256], help="batch sizes (rows of x)")
+    blin.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="default: both")
+    blin.add_argument("--num-threads", type=int, help="torch CPU threads (default: all cores)")
+    blin.set_defaults(func=cmd_bench_linear)
+
+    bpeers = bench_sub.add_parser("peers", help="tandem (colocated and 1 prefill + 1 decode) against vLLM's CPU build "
+                                  "on this machine, the serve workload, one server at a time, in one run")
+    bpeers.add_argument("--num-requests", type=int, default=32)
+    bpeers.add_argument("--concurrency", type=int, default=8)
+    bpeers.add_argument("--c1-requests", type=int, default=8, help="requests then run one at a time")
+    bpeers.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    bpeers.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    bpeers.add_argument("--workload-seed", type=int, default=1)
+    bpeers.add_argument("--vllm-dtype", action="append", choices=["bfloat16", "float32"],
+                        help="vLLM dtypes to run, each its own server (default: both; its best counts)")
+    bpeers.add_argument("--skip-vllm", action="store_true", help="tandem only")
+    bpeers.add_argument("--skip-pd", action="store_true", help="no 1 prefill + 1 decode run")
+    bpeers.add_argument("--home", default="~/.cache/tandem/peers", help="where vLLM's venv and the exported model live")
+    bpeers.add_argument("--log-dir", help="server logs (default: a new temporary directory)")
+    add_arguments(bpeers, EngineConfig)
+    bpeers.set_defaults(func=cmd_bench_peers)
 
     from tandem.operator.simulate import SimConfig
 

