@@ -81,7 +81,7 @@ def run(args, engine_args: list[str]) -> int:
     for mode, roles in (("colocated", ["colocated"]), ("disaggregated", ["prefill", "decode"])):
         (logs / mode).mkdir(exist_ok=True)
         with LocalStack(logs / mode, tuple(engine_args)) as stack:
-            servers = [stack.start_server(role) for role in roles]
+            servers = stack.start_servers(roles)
             stack.wait()
             base = stack.start_router()
             run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)

@@ -225,8 +225,7 @@ def run(args, engine_args: list[str]) -> int:
         wait_cpu_quiet()
         (logs / name.replace(" ", "-")).mkdir(exist_ok=True)
         with LocalStack(logs / name.replace(" ", "-"), tuple(engine_args)) as stack:
-            for role in roles:
-                stack.start_server(role)
+            stack.start_servers(roles)
             stack.wait()
             base = stack.start_router()
             results[name] = measure(base.removeprefix("http://"), stack.model_name, tokenizer, work, work_c1,

@@ -85,7 +85,7 @@ def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool,
     try:
         t0 = time.monotonic()
         print(f"starting a prefill server, a decode server and the smg router (logs in {logs}) ...", flush=True)
-        prefill, decode = stack.start_server("prefill"), stack.start_server("decode")
+        prefill, decode = stack.start_servers(["prefill", "decode"])
         stack.wait()
         base = stack.start_router()
         print(f"up in {time.monotonic() - t0:.1f}s: prefill grpc://{prefill.target} (bootstrap :{prefill.bootstrap_port}), "

@@ -163,6 +163,15 @@ class LocalStack:
         self.servers.append(server)
         return server
 
+    def start_servers(self, roles: list[str]) -> list[Server]:
+        """Launch one server per role, the machine's cores split between them (`--num-threads`,
+        unless the engine flags set it): servers sharing cores with more torch threads than
+        there are cores stall each other's parallel regions."""
+        extra: tuple[str, ...] = ()
+        if not any(a.startswith("--num-threads") for a in self.engine_args):
+            extra = ("--num-threads", str(max(1, (os.cpu_count() or 1) // len(roles))))
+        return [self.start_server(role, *extra) for role in roles]
+
     def wait(self) -> None:
         for server in self.servers:
             wait_healthy(server.target, server.proc, server.log_path)
