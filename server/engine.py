@@ -9,9 +9,9 @@ two steps, which is how tests and servers inspect engine state safely.
 The model is loaded on the engine thread too, so that one thread does all of the process's torch
 work: GNU OpenMP (torch's CPU thread pool) keeps a pool of workers per thread that runs parallel
 regions, and once two such pools outnumber the cores, every region wakes its workers from sleep
-instead of spinning. Measured on 2 cores (`tandem bench serve --concurrency 1` against one
-`tandem serve`): 84 ms per output token with the model loaded on the caller's thread, 61 ms with
-it loaded here.
+instead of spinning. Measured on 2 cores (`tandem bench serve --concurrency 1 --num-requests 3
+--prompt-len 300 300 --output-len 64 64` against one `tandem serve`): 84 ms per output token with
+the model loaded on the caller's thread, 61 ms with it loaded here.
 
 One iteration of the loop: apply the inbox, then `step()`: poll the KV connector (handing it
 what the scheduler reports, applying what it asks through the scheduler) -> schedule ->

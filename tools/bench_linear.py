@@ -1,8 +1,9 @@
 """`tandem bench linear`: the model's projections, one at a time, in every form a weight can be
 held in, at the batch sizes a step runs: `F.linear` on the [out, in] weight, `x @ W` on the
-transposed weight, and `tandem.kernels.linear.Linear` (oneDNN-packed on CPU where it can take
-the dtype), in float32 and bfloat16. Prints milliseconds per product, the weight bytes streamed
-per second, and each form's time over `F.linear`'s, as one JSON line per shape and batch size.
+transposed weight, `tandem.kernels.linear.Linear` (oneDNN-packed on CPU where it can take
+the dtype), in float32 and bfloat16, and in float32 also torch's weight-only int8 kernel
+(`_weight_int8pack_mm`, per-channel scales), the candidate for a `--quantization` flag. Prints milliseconds per product and each form's time over `F.linear`'s, as one JSON line per
+shape and batch size.
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ def run(args) -> int:
                     "x @ W": seconds_per_call(lambda: x @ transposed),
                     f"Linear ({linear.kind})": seconds_per_call(lambda: linear(x)),
                 }
+                if dtype == torch.float32:
+                    scales = weight.abs().amax(1) / 127
+                    q8 = (weight / scales[:, None]).round().to(torch.int8)
+                    times["int8 weight-only"] = seconds_per_call(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scales))
                 base = times["F.linear"]
                 print(json.dumps({
                     "bench": "linear", "dtype": dtype_name, "projection": name, "shape": [n_out, n_in], "rows": rows,
                     "threads": torch.get_num_threads(),
-                    **{k: {"ms": round(t * 1e3, 3), "weight_gb_s": round(weight.numel() * weight.element_size() / t / 1e9, 1),
-                           "vs_F.linear": round(t / base, 2)} for k, t in times.items()},
+                    **{k: {"ms": round(t * 1e3, 3), "vs_F.linear": round(t / base, 2)} for k, t in times.items()},
                 }), flush=True)
     return 0

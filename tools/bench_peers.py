@@ -112,6 +112,16 @@ def ensure_vllm(home: Path) -> Path:
     return python
 
 
+def ensure_tcmalloc() -> None:
+    """vLLM's CPU guide preloads tcmalloc; Debian's package, installed here when missing (root)."""
+    if Path(TCMALLOC).exists():
+        return
+    if os.geteuid() == 0 and subprocess.run(["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"],
+                                            capture_output=True).returncode == 0:
+        return
+    print(f"warning: {TCMALLOC} is missing (apt-get install libtcmalloc-minimal4); vLLM runs without it", flush=True)
+
+
 def export_hf(model: str, out: Path) -> Path:
     """The model as a HF directory (config.json, bfloat16 safetensors, tokenizer) for vLLM."""
     if (out / "model.safetensors").exists():
@@ -206,6 +216,7 @@ def run(args, engine_args: list[str]) -> int:
     results: dict[str, dict] = {}
     if not args.skip_vllm:
         python = ensure_vllm(home)
+        ensure_tcmalloc()
         model_dir = export_hf(args.model, home / "smollm2-hf")
         for dtype in args.vllm_dtype or ["bfloat16", "float32"]:
             name = f"vLLM {dtype}"
