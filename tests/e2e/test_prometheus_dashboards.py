@@ -158,9 +158,10 @@ def test_prometheus_source_reads_what_the_servers_report(observed_stack):
     for pod in pods.values():
         a, b = direct[pod], via_prometheus[pod]
         assert a is not None and b is not None, pod
-        # Idle servers: the counters and gauges agree; the sample is at most a few scrapes old.
+        # Idle servers: the counters and gauges agree; the sample is at most a few scrapes old (a
+        # scrape running while the direct read does is stamped a few ms after the read began).
         assert (a.prompt_tokens, a.kv_pages_total, a.waiting) == (b.prompt_tokens, b.kv_pages_total, b.waiting)
-        assert a.prompt_tokens > 0 and 0 <= a.time - b.time < 10
+        assert a.prompt_tokens > 0 and -1 < a.time - b.time < 10
     assert PrometheusSource(prom.url).read("elsewhere", targets) == {p.name: None for p in targets}
 
 
