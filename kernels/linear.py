@@ -28,7 +28,6 @@ class Linear:
     """`y = x @ weight.T (+ bias)` for a weight given as [out, in] (HF's layout)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.kind = "plain"
         if weight.device.type == "cpu" and onednn_supports(weight.dtype):
