@@ -6,8 +6,11 @@ goes to MKL's sgemm; `tandem bench linear` repeats it): the same at prompt-sized
 1.4-3x faster at decode sizes, 1 to 32 rows, where MKL does not stream the weight at the machine's
 bandwidth (the lm_head at 8 rows: 7.7 ms against 22 ms). Where oneDNN cannot take the weight's
 dtype on this CPU (bfloat16 without AVX512-BF16), or off the CPU, the weight stays a plain tensor:
-`F.linear` on CUDA, `x @ W` with W stored [in, out] on CPU (2-4x faster than F.linear at small
-batches there).
+`F.linear` on CUDA and for 16-bit weights, `x @ W` with W stored [in, out] for float32 on CPU
+(faster than F.linear at small batches there; for bfloat16 it is 8-40x slower).
+
+A weight that came block-quantized from a GGUF file also keeps that form (`BlockWeights`), and
+batches of up to `BLOCK_MAX_ROWS` rows multiply it with `block_gemm`, streaming int8 instead of float32.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm, block_kernel_unavailable
+
 log = logging.getLogger("tandem.kernels")
 
 # The batch size oneDNN's weight layout is chosen for: 64 measured as good as the best hint at
@@ -25,25 +30,36 @@ PACK_BATCH_HINT = 64
 
 
 class Linear:
-    """`y = x @ weight.T (+ bias)` for a weight given as [out, in] (HF's layout)."""
+    """`y = x @ weight.T (+ bias)` for a weight given as [out, in] (HF's layout), and optionally
+    the same weight block-quantized (`blocks`, which must dequantize to `weight` exactly)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockWeights | None = None):
         self.bias = bias
         self.kind = "plain"
+        self.blocks = None
+        if blocks is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            if block_kernel_unavailable() is None:
+                self.blocks = blocks
         if weight.device.type == "cpu" and onednn_supports(weight.dtype):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
             self.kind = "onednn"
-        elif weight.device.type == "cpu":
+        elif weight.device.type == "cpu" and weight.dtype == torch.float32:
             self.weight = weight.t().contiguous()  # [in, out]
             self.kind = "transposed"
         else:
             self.weight = weight.contiguous()
 
     def describe(self) -> str:
-        return {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind] + (
+        kind = {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind] + (
             f" {str(self.weight.dtype).removeprefix('torch.')}")
+        if self.blocks is None:
+            return kind
+        return f"int8 blocks up to {BLOCK_MAX_ROWS} rows, {kind} above"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None and x.shape[0] <= BLOCK_MAX_ROWS:
+            y = block_gemm(x, self.blocks)
+            return y if self.bias is None else y + self.bias
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.kind == "transposed":

@@ -1,9 +1,11 @@
 """`tandem bench linear`: the model's projections, one at a time, in every form a weight can be
 held in, at the batch sizes a step runs: `F.linear` on the [out, in] weight, `x @ W` on the
 transposed weight, `tandem.kernels.linear.Linear` (oneDNN-packed on CPU where it can take
-the dtype), in float32 and bfloat16, and in float32 also torch's weight-only int8 kernel
-(`_weight_int8pack_mm`, per-channel scales), the candidate for a `--quantization` flag. Prints milliseconds per product and each form's time over `F.linear`'s, as one JSON line per
-shape and batch size.
+the dtype), in float32 and bfloat16, and in float32 also tandem's block kernel over GGUF-style
+int8 blocks (`block_gemm`, what decode steps of up to 8 rows use for GGUF models) and torch's
+weight-only int8 kernel (`_weight_int8pack_mm`, per-channel scales). Prints milliseconds per
+product and each form's time over `F.linear`'s, as one JSON line per shape and batch size. Small
+projections stay in cache between repeats here; a decode step streams them all from memory.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.block_linear import BlockWeights, block_gemm, block_kernel_unavailable
 from tandem.kernels.linear import Linear
 
 
@@ -58,6 +61,10 @@ def run(args) -> int:
                     scales = weight.abs().amax(1) / 127
                     q8 = (weight / scales[:, None]).round().to(torch.int8)
                     times["int8 weight-only"] = seconds_per_call(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scales))
+                    if block_kernel_unavailable() is None:
+                        blocks = BlockWeights(torch.randint(0, 16, (n_out, n_in), dtype=torch.int8),
+                                              torch.rand(n_out, n_in // 32) * 0.01, torch.rand(n_out, n_in // 32) * -0.05)
+                        times["int8 blocks"] = seconds_per_call(lambda: block_gemm(x, blocks))
                 base = times["F.linear"]
                 print(json.dumps({
                     "bench": "linear", "dtype": dtype_name, "projection": name, "shape": [n_out, n_in], "rows": rows,

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.common.cpu import cpu_flags
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.llama import LlamaForCausalLM
-from tandem.server.model.loader import ModelLoadError, ModelSource, load_weights, resolve_model
+from tandem.server.model.loader import ModelLoadError, ModelSource, load_block_weights, load_weights, resolve_model
 
 log = logging.getLogger("tandem.model")
 
@@ -41,15 +42,6 @@ def resolve_device(device: str) -> torch.device:
 
 
 _CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-
-
-def cpu_flags() -> list[str]:
-    """This CPU's feature flags (/proc/cpuinfo), empty where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> tuple[str, str]:
@@ -89,7 +81,8 @@ def load_model(model: str, dtype: str, device: str) -> LoadedModel:
     compute = compute_dtype_for(DTYPES[dtype], dev)
     if compute != DTYPES[dtype]:
         why += f"; float32 math and KV cache: this CPU has no native {dtype} instructions"
-    module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute)
+    blocks = load_block_weights(source, config) if dev.type == "cpu" else None
+    module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute, blocks=blocks)
     log.info("%s on %s: %s weights (%s); projections %s; CPU flags: %s", source.name, dev, dtype, why,
              module.lm_head.describe(), " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-")
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev)

@@ -3,7 +3,8 @@
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
 (q|k|v, gate|up) to halve the number of GEMM calls; `tandem.kernels.linear.Linear` holds each
-weight in the form the device multiplies fastest.
+weight in the form the device multiplies fastest, including the GGUF file's own blocks where the
+weights stay float32.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.attention import AttentionBackend
+from tandem.kernels.block_linear import BlockWeights
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ModelConfig
 
@@ -52,18 +54,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor], blocks: dict[str, BlockWeights]):
         super().__init__()
         p = f"model.layers.{index}."
         self.index = index
         self.config = config
+
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+            """One projection over the row-concatenation of `names`' weights."""
+            keys = [p + name + ".weight" for name in names]
+            fused_blocks = BlockWeights.cat([blocks[k] for k in keys]) if all(k in blocks for k in keys) else None
+            return Linear(torch.cat([w[k] for k in keys]), bias, fused_blocks)
+
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-        self.qkv = Linear(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]), qkv_bias)
-        self.o = Linear(w[p + "self_attn.o_proj.weight"])
-        self.gate_up = Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
-        self.down = Linear(w[p + "mlp.down_proj.weight"])
+        self.qkv = linear([f"self_attn.{n}_proj" for n in "qkv"], qkv_bias)
+        self.o = linear(["self_attn.o_proj"])
+        self.gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
+        self.down = linear(["mlp.down_proj"])
         self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
 
@@ -88,19 +97,25 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device,
         compute_dtype: torch.dtype | None = None,
+        blocks: dict[str, BlockWeights] | None = None,
     ):
         """Weights are rounded to `dtype` and held (and computed with) in `compute_dtype`
-        (default: `dtype`)."""
+        (default: `dtype`). `blocks`: the block-quantized form of some weights (the loader's
+        `load_block_weights`), used only where the weights stay float32, on the CPU."""
         super().__init__()
         self.config = config
         compute_dtype = compute_dtype or dtype
         w = {k: v.to(dtype=dtype).to(compute_dtype).to(device) for k, v in weights.items() if k != "rope_freqs"}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w) for i in range(config.num_layers))
+        if dtype != torch.float32 or compute_dtype != torch.float32 or torch.device(device).type != "cpu":
+            blocks = None
+        blocks = blocks or {}
+        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks) for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,
         # the logits GEMM its own layout.
-        self.lm_head = Linear(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = Linear(w[head], blocks=blocks.get(head))
         self.register_buffer("inv_freq", rope_inv_freq(config, weights.get("rope_freqs")), persistent=False)
         self.to(device)
 

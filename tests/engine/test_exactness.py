@@ -109,3 +109,23 @@ def test_batch_of_one_matches_batched(make_engine, workload):
     for p, want, gaps in workload[:4]:
         r = engine.submit(p, GREEDY).result()
         assert_matches_reference(r.output_ids, want, gaps, "alone")
+
+
+def test_decode_projections_read_the_gguf_blocks(smollm_fp32):
+    """The tests above run the block-quantized path (steps of up to 8 rows) wherever it can run:
+    every projection of the built-in Q4_1/Q8_0 file holds blocks that dequantize, bit for bit, to
+    the float32 weights HF transformers is given."""
+    import torch
+
+    from tandem.common.cpu import cpu_flags
+    from tandem.server.model.loader import load_block_weights, load_weights
+
+    module = smollm_fp32.module
+    linears = [module.lm_head] + [getattr(layer, n) for layer in module.layers for n in ("qkv", "o", "gate_up", "down")]
+    if all(flag in cpu_flags() for flag in ("avx2", "fma")):
+        assert all(linear.blocks is not None for linear in linears)
+    config, weights = load_weights(smollm_fp32.source)
+    blocks = load_block_weights(smollm_fp32.source, config)
+    assert len(blocks) == 1 + 7 * config.num_layers  # the tied embedding and every layer matrix
+    for key, block in blocks.items():
+        assert torch.equal(block.dequantize(), weights[key]), key

@@ -1,0 +1,120 @@
+"""Block-quantized projections: GGUF's Q4_0, Q4_1 and Q8_0 tensors read into `BlockWeights`
+(dequantizing bit for bit to what gguf's own dequantizer gives), and `block_gemm` against float64
+products of the dequantized weights, through `Linear` at every batch size a step uses."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.common.cpu import cpu_flags
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm, block_kernel_unavailable
+from tandem.kernels.linear import Linear
+from tandem.server.model.config import ModelConfig
+from tandem.server.model.loader import ModelSource, _unpermute, load_block_weights
+
+if not all(flag in cpu_flags() for flag in ("avx2", "fma")):
+    pytest.skip("block_gemm is built for AVX2 + FMA; this CPU lacks them", allow_module_level=True)
+
+
+def test_the_kernel_builds_here():
+    # setup.sh installs g++ and ninja; a CPU with AVX2 and FMA must get the kernel, not a fallback
+    assert block_kernel_unavailable() is None
+
+
+def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, k // 32)
+    scale = (torch.rand(shape, generator=g) * 0.02).half().float()  # 16-bit scales, as in GGUF
+    if kind == "q8_0":
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        offset = torch.zeros(shape)
+    else:  # q4_1
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+        offset = (-torch.rand(shape, generator=g) * 0.1).half().float()
+    return BlockWeights(q, scale, offset)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 64])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_block_gemm_matches_float64_products_of_the_dequantized_weight(rows, kind):
+    blocks = random_blocks(1000, 576, kind, seed=rows)  # 1000 rows: chunks of 64 and a remainder
+    w = blocks.dequantize()
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(7))
+    y = block_gemm(x, blocks)
+    assert y.shape == (rows, 1000) and y.dtype == torch.float32
+    ref = x.double() @ w.double().t()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # a transposed (non-contiguous) x gives the same rows
+    torch.testing.assert_close(block_gemm(x.t().contiguous().t(), blocks), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 100])
+def test_linear_uses_blocks_up_to_the_row_limit_and_onednn_above(rows):
+    blocks = random_blocks(320, 576, "q4_1", seed=1)
+    w = blocks.dequantize()
+    bias = torch.randn(320)
+    linear = Linear(w, bias, blocks)
+    assert linear.blocks is not None and "int8 blocks" in linear.describe()
+    x = torch.randn(rows, 576)
+    y = linear(x)
+    if rows <= BLOCK_MAX_ROWS:
+        torch.testing.assert_close(y, block_gemm(x, blocks) + bias, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(y, Linear(w, bias)(x), rtol=0, atol=0)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t() + bias.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_ignores_blocks_for_weights_that_are_not_float32():
+    blocks = random_blocks(64, 64, "q8_0", seed=2)
+    linear = Linear(blocks.dequantize().bfloat16(), None, blocks)
+    assert linear.blocks is None
+
+
+def test_block_gemm_rejects_shapes_it_cannot_take():
+    blocks = random_blocks(64, 64, "q8_0", seed=3)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        block_gemm(torch.randn(2, 48), BlockWeights(blocks.q[:, :48].contiguous(), blocks.scale, blocks.offset))
+    with pytest.raises(RuntimeError, match="float32"):
+        block_gemm(torch.randn(2, 64).double(), blocks)
+
+
+def test_gguf_blocks_read_back_exactly_as_gguf_dequantizes_them(tmp_path):
+    """A GGUF with Q4_0, Q4_1 and Q8_0 tensors (q and k rows reordered the llama.cpp way)."""
+    config = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=128, tie_word_embeddings=True, attention_bias=False,
+                         bos_token_id=None, eos_token_ids=(), name="tiny")
+    rng = np.random.default_rng(0)
+    Q = gguf.GGMLQuantizationType
+    tensors = {
+        "blk.0.attn_q.weight": (Q.Q4_0, (64, 64), "model.layers.0.self_attn.q_proj.weight", 4),
+        "blk.0.attn_k.weight": (Q.Q4_1, (32, 64), "model.layers.0.self_attn.k_proj.weight", 2),
+        "blk.0.ffn_up.weight": (Q.Q4_1, (128, 64), "model.layers.0.mlp.up_proj.weight", None),
+        "token_embd.weight": (Q.Q8_0, (96, 64), "model.embed_tokens.weight", None),
+        "output_norm.weight": (Q.F32, (64,), "model.norm.weight", None),
+    }
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    expected = {}
+    for name, (qtype, shape, key, heads) in tensors.items():
+        data = rng.standard_normal(shape).astype(np.float32)
+        stored = gguf.quants.quantize(data, qtype) if qtype != Q.F32 else data
+        writer.add_tensor(name, stored, raw_shape=stored.shape if qtype == Q.F32 else None, raw_dtype=qtype)
+        if qtype != Q.F32:
+            dequantized = gguf.quants.dequantize(stored, qtype)
+            expected[key] = torch.from_numpy(_unpermute(dequantized, heads) if heads else dequantized)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    blocks = load_block_weights(ModelSource("gguf", path, "tiny"), config)
+    assert set(blocks) == set(expected)  # the float32 norm has no blocks
+    for key, want in expected.items():
+        got = blocks[key].dequantize()
+        assert torch.equal(got, want), key
+    assert blocks["model.layers.0.self_attn.q_proj.weight"].q.min() < 0  # Q4_0 is centred: q - 8
+    assert load_block_weights(ModelSource("hf", tmp_path, "tiny"), config) == {}
