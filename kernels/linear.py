@@ -56,6 +56,12 @@ class Linear:
             return kind
         return f"int8 blocks up to {BLOCK_MAX_ROWS} rows, {kind} above"
 
+    def streamed_bytes(self, rows: int) -> int:
+        """Bytes of weight one product over `rows` rows reads."""
+        if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
+            return sum(t.numel() * t.element_size() for t in (self.blocks.q, self.blocks.scale, self.blocks.offset))
+        return self.weight.numel() * self.weight.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None and x.shape[0] <= BLOCK_MAX_ROWS:
             y = block_gemm(x, self.blocks)

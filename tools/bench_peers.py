@@ -11,8 +11,8 @@ one at a time. Each system is served alone, in turn, after the CPU has gone quie
 - tandem with one prefill and one decode server (KV over Mooncake), behind the smg router.
 
 Before the runs it measures the machine's read bandwidth and prints the single-stream floor:
-the weight bytes a decode step streams (every projection and the lm_head, in the dtype tandem
-computes in) over that bandwidth. The table gives every figure and its ratio to vLLM's best.
+the weight bytes a decode step streams (every projection and the lm_head, in the form tandem
+holds them: the GGUF file's int8 blocks where it decodes from those) over that bandwidth. The table gives every figure and its ratio to vLLM's best.
 """
 
 from __future__ import annotations
@@ -58,20 +58,15 @@ def read_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
 
 
 def decode_weight_bytes(model: str, dtype: str) -> tuple[int, str]:
-    """Bytes of weights one decode step reads (every layer's projections and the lm_head; the
-    embedding rows and norms are negligible), in the dtype tandem computes in, and its name."""
-    import torch
+    """Bytes of weights a batch-1 decode step reads (every layer's projections and the lm_head, in
+    the form tandem holds them: the GGUF file's int8 blocks where it streams those; the embedding
+    rows and norms are negligible), and what form that is."""
+    from tandem.server.model import load_model
 
-    from tandem.server.model import DTYPES, compute_dtype_for, resolve_dtype
-    from tandem.server.model.loader import load_weights, resolve_model
-
-    cpu = torch.device("cpu")
-    compute = compute_dtype_for(DTYPES[resolve_dtype(dtype, cpu)[0]], cpu)
-    config, weights = load_weights(resolve_model(model))
-    names = [k for k in weights if k.startswith("model.layers.") and k.endswith("proj.weight")]
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    size = torch.empty((), dtype=compute).element_size()
-    return size * (sum(weights[k].numel() for k in names) + head.numel()), str(compute).removeprefix("torch.")
+    module = load_model(model, dtype, "cpu").module
+    linears = [module.lm_head] + [getattr(layer, n) for layer in module.layers for n in ("qkv", "o", "gate_up", "down")]
+    form = "int8-block" if module.lm_head.blocks is not None else str(module.lm_head.weight.dtype).removeprefix("torch.")
+    return sum(linear.streamed_bytes(1) for linear in linears), form
 
 
 def wait_cpu_quiet(busy_below: float = 0.15, window: float = 2.0, timeout: float = 300) -> float:
@@ -207,9 +202,9 @@ def run(args, engine_args: list[str]) -> int:
 
     wait_cpu_quiet()
     bandwidth = read_bandwidth_gb_s()
-    weight_bytes, compute_dtype = decode_weight_bytes(args.model, args.dtype)
+    weight_bytes, weight_form = decode_weight_bytes(args.model, args.dtype)
     floor_ms = weight_bytes / bandwidth / 1e6
-    machine = {"cpu_flags": cpu_flags(), "cores": threads, "read_gb_s": round(bandwidth, 1), "dtype": compute_dtype,
+    machine = {"cpu_flags": cpu_flags(), "cores": threads, "read_gb_s": round(bandwidth, 1), "weights": weight_form,
                "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
     print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
 
@@ -265,7 +260,7 @@ def table(results: dict[str, dict], machine: dict, args) -> str:
 
     lines = [
         f"CPU flags: {' '.join(machine['cpu_flags'])}; {machine['cores']} cores; read bandwidth "
-        f"{machine['read_gb_s']} GB/s; a decode step streams {machine['decode_weight_mb']} MB of {machine['dtype']} "
+        f"{machine['read_gb_s']} GB/s; a decode step streams {machine['decode_weight_mb']} MB of {machine['weights']} "
         f"weights: single-stream floor {machine['tpot_floor_ms']} ms",
         f"workload: {args.num_requests} requests at concurrency {args.concurrency}, then {args.c1_requests} at "
         f"concurrency 1; prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"

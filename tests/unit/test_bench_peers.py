@@ -8,7 +8,7 @@ from tandem.tools.bench_peers import cpu_flags, table
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
                  workload_seed=1)
-MACHINE = {"cpu_flags": ["avx2"], "cores": 2, "read_gb_s": 25.0, "dtype": "float32", "decode_weight_mb": 500.0,
+MACHINE = {"cpu_flags": ["avx2"], "cores": 2, "read_gb_s": 25.0, "weights": "float32", "decode_weight_mb": 500.0,
            "tpot_floor_ms": 20.0}
 
 
