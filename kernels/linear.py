@@ -20,7 +20,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm, block_kernel_unavailable
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 log = logging.getLogger("tandem.kernels")
 
@@ -38,7 +39,7 @@ class Linear:
         self.kind = "plain"
         self.blocks = None
         if blocks is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            if block_kernel_unavailable() is None:
+            if cpu_ops_unavailable() is None:
                 self.blocks = blocks
         if weight.device.type == "cpu" and onednn_supports(weight.dtype):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)

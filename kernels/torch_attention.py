@@ -3,7 +3,9 @@ scaled_dot_product_attention. Prompt pieces run one sequence at a time (they are
 decodes run as padded batches.
 
 Gathers move whole pages (index_select over [num_pages, page_size * heads * dim] rows): on CPU that
-is several times faster than gathering token rows, which dominated decode steps.
+is several times faster than gathering token rows, which dominated decode steps. With a float32
+cache on a CPU that runs tandem's own kernels (cpu_ops.py), decodes skip the gathers altogether:
+`paged_decode_attention` reads each sequence's pages where they lie, all decodes in one call.
 """
 
 from __future__ import annotations
@@ -12,12 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.attention import AttentionBackend, AttentionBatch
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 DECODE_BUCKETS = 4  # at most this many padded decode batches per layer
 DECODE_BUCKET_MIN = 8  # ... each of at least this many sequences
 
 
 class TorchAttention(AttentionBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        c = self.kv_cache
+        self.in_place_decode = c.device.type == "cpu" and c.dtype == torch.float32 and cpu_ops_unavailable() is None
+
     def prepare(self, batch: AttentionBatch) -> None:
         device = self.kv_cache.device
         P = self.kv_cache.page_size
@@ -37,7 +45,14 @@ class TorchAttention(AttentionBackend):
         # Decodes, sorted by length into a few padded buckets: one bucket would pad every sequence
         # to the longest, and the padding is read twice per layer (gather, then attention).
         self.decode_buckets = []  # (output rows, padded page ids [b, width], mask [b, 1, 1, width * P])
+        self.in_place = None  # (first output row, padded page ids [b, width], kv lens [b])
         first = batch.num_extends
+        if self.in_place_decode and first < len(batch.q_lens):
+            tables = batch.page_tables[first:]
+            width = max(len(t) for t in tables)
+            pages = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], device=device)
+            self.in_place = (row, pages, torch.tensor(batch.kv_lens[first:], device=device))
+            return
         order = sorted(range(first, len(batch.q_lens)), key=lambda i: batch.kv_lens[i])
         size = max(DECODE_BUCKET_MIN, -(-len(order) // DECODE_BUCKETS))
         for start in range(0, len(order), size):
@@ -80,4 +95,8 @@ class TorchAttention(AttentionBackend):
                 qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
             )
             out.index_copy_(0, rows, od.squeeze(2))
+        if self.in_place is not None:  # decodes are the batch's last rows
+            first, pages, kv_lens = self.in_place
+            c = self.kv_cache
+            out[first:] = torch.ops.tandem.paged_decode_attention(q[first:], c.k[layer], c.v[layer], pages, kv_lens, self.scale)
         return out

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # Debian libraries the Mooncake transfer engine (non-CUDA wheel) needs at import time, the
 # Prometheus server the dashboard test scrapes a local stack with, and the C++ compiler that builds
-# tandem's block-quantized projection kernel (kernels/csrc).
+# tandem's CPU kernels (kernels/csrc).
 missing=()
 for pkg in libibverbs1 libnuma1 prometheus g++; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -32,6 +32,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# Build (or find cached) the block-quantized projection kernel now rather than in the first server
-# that starts: the build takes about a minute on two cores.
-.venv/bin/python -c "from tandem.kernels.block_linear import block_kernel_unavailable as why; print('block kernel:', why() or 'ready')"
+# Build (or find cached) tandem's CPU kernels now rather than in the first server that starts: the
+# build takes about a minute on two cores.
+.venv/bin/python -m tandem.kernels.cpu_ops

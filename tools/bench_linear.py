@@ -16,7 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import BlockWeights, block_gemm, block_kernel_unavailable
+from tandem.kernels.block_linear import BlockWeights, block_gemm
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import Linear
 
 
@@ -61,7 +62,7 @@ def run(args) -> int:
                     scales = weight.abs().amax(1) / 127
                     q8 = (weight / scales[:, None]).round().to(torch.int8)
                     times["int8 weight-only"] = seconds_per_call(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scales))
-                    if block_kernel_unavailable() is None:
+                    if cpu_ops_unavailable() is None:
                         blocks = BlockWeights(torch.randint(0, 16, (n_out, n_in), dtype=torch.int8),
                                               torch.rand(n_out, n_in // 32) * 0.01, torch.rand(n_out, n_in // 32) * -0.05)
                         times["int8 blocks"] = seconds_per_call(lambda: block_gemm(x, blocks))

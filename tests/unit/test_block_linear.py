@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tandem.common.cpu import cpu_flags
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm, block_kernel_unavailable
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.loader import ModelSource, _unpermute, load_block_weights
@@ -21,7 +22,7 @@ if not all(flag in cpu_flags() for flag in ("avx2", "fma")):
 
 def test_the_kernel_builds_here():
     # setup.sh installs g++ and ninja; a CPU with AVX2 and FMA must get the kernel, not a fallback
-    assert block_kernel_unavailable() is None
+    assert cpu_ops_unavailable() is None
 
 
 def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:

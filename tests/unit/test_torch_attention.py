@@ -1,6 +1,6 @@
 """TorchAttention against naive dense attention: ragged batches of prompt pieces (with and
 without a cached prefix) and decodes, scattered pages, page sizes 1 and 16, and a bf16 cache
-read by float32 math."""
+read by float32 math; decodes both gathered and read in place (tandem's paged_decode_attention)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tandem.common.cpu import cpu_flags
 from tandem.kernels.attention import AttentionBatch
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.torch_attention import TorchAttention
@@ -27,9 +28,13 @@ def dense_attention(q, k, v, start):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+HAS_CPU_KERNELS = all(flag in cpu_flags() for flag in ("avx2", "fma"))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_matches_dense_attention(page_size, cache_dtype):
+@pytest.mark.parametrize("cache_dtype,decodes", [(torch.float32, "in place"), (torch.float32, "gathered"),
+                                                 (torch.bfloat16, "gathered")])
+def test_matches_dense_attention(page_size, cache_dtype, decodes):
     torch.manual_seed(0)
     rng = random.Random(page_size)
     # (cached prefix, new tokens): two prompt pieces, then decodes of various lengths.
@@ -54,7 +59,14 @@ def test_matches_dense_attention(page_size, cache_dtype):
         out_slots=torch.tensor([s for p, n, pages, *_ in seqs for s in flat_slots(pages, p, p + n, page_size)]),
     )
     backend = TorchAttention(cache, H, D, D**-0.5)
+    if decodes == "in place":
+        if not HAS_CPU_KERNELS:
+            pytest.skip("paged_decode_attention is built for AVX2 + FMA; this CPU lacks them")
+        assert backend.in_place_decode  # a float32 cache on an AVX2 CPU reads decodes in place
+    else:
+        backend.in_place_decode = False
     backend.prepare(batch)
+    assert (backend.in_place is not None) == (decodes == "in place")
     q = torch.cat([s[5] for s in seqs])
     k_new = torch.cat([k[p:] for p, _, _, k, _, _ in seqs])
     v_new = torch.cat([v[p:] for p, _, _, _, v, _ in seqs])
@@ -72,3 +84,32 @@ def test_matches_dense_attention(page_size, cache_dtype):
 def test_fresh_cache_is_finite_everywhere():
     cache = PagedKVCache(2, 8, 4, KVH, D, torch.bfloat16, torch.device("cpu"))
     assert all(torch.isfinite(t).all() for t in cache.k + cache.v)
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="paged_decode_attention is built for AVX2 + FMA; this CPU lacks them")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128)])
+def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim):
+    """The kernel alone: GQA group sizes 1 to 8, head dims that are and are not multiples of 16,
+    sequences of 1 to 300 tokens on scattered pages of 16."""
+    torch.manual_seed(heads)
+    P, lens = 16, [1, 17, 300, 64]
+    k_cache, v_cache = torch.randn(2, 96, P, kv_heads, dim).unbind(0)
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    perm = torch.randperm(96)
+    width = -(-max(lens) // P)
+    tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(lens))])
+    q = torch.randn(len(lens), heads, dim)
+    out = torch.ops.tandem.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), dim**-0.5)
+    for b, L in enumerate(lens):
+        k = k_cache[tables[b]].reshape(-1, kv_heads, dim)[:L].double().repeat_interleave(heads // kv_heads, 1)
+        v = v_cache[tables[b]].reshape(-1, kv_heads, dim)[:L].double().repeat_interleave(heads // kv_heads, 1)
+        p = (torch.einsum("hd,khd->hk", q[b].double(), k) * dim**-0.5).softmax(-1)
+        torch.testing.assert_close(out[b].double(), torch.einsum("hk,khd->hd", p, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_CPU_KERNELS, reason="paged_decode_attention is built for AVX2 + FMA; this CPU lacks them")
+def test_paged_decode_attention_rejects_a_length_beyond_its_pages():
+    cache = torch.zeros(4, 16, 1, 16)
+    with pytest.raises(RuntimeError, match=r"kv_lens\[0\] = 33 is outside \(0, 32\]"):
+        torch.ops.tandem.paged_decode_attention(torch.zeros(1, 1, 16), cache, cache, torch.tensor([[0, 1]]),
+                                                torch.tensor([33]), 0.25)

@@ -1,0 +1,54 @@
+"""tandem's own CPU operators (kernels/csrc/*.cpp), built into one library by torch's extension
+builder on first use and cached under $TORCH_EXTENSIONS_DIR (about a minute with two cores; the
+set-up script builds it ahead). They register as `torch.ops.tandem.*`:
+
+- `block_gemm`: projections over GGUF-style int8 blocks (block_linear.py);
+- `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py).
+
+Both are float32 and written for AVX2 + FMA. Where they cannot run (another CPU, no compiler,
+`TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from tandem.common.cpu import cpu_flags
+
+log = logging.getLogger("tandem.kernels")
+
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_REQUIRED_FLAGS = ("avx2", "fma")
+_lock = threading.Lock()
+_why: list[str | None] = []  # filled once: None (loaded) or the reason they are unavailable
+
+
+def cpu_ops_unavailable() -> str | None:
+    """None when torch.ops.tandem.* can run here, else why not. Builds or loads them on first call."""
+    with _lock:
+        if not _why:
+            _why.append(_load())
+        return _why[0]
+
+
+def _load() -> str | None:
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return "TANDEM_CPU_KERNELS=0"
+    missing = [f for f in _REQUIRED_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        load("tandem_cpu_ops", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False)
+    except Exception as e:  # no compiler, no ninja: serve with the torch paths
+        log.warning("tandem's CPU kernels are unavailable, using torch's: %s", e)
+        return f"they did not build: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+if __name__ == "__main__":  # the set-up script: build now, not in the first server that starts
+    print("tandem CPU kernels:", cpu_ops_unavailable() or "ready")
