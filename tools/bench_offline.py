@@ -44,6 +44,7 @@ def run_tandem(config: EngineConfig, work) -> dict:
         results = [s.result() for s in streams]
         elapsed = time.perf_counter() - start
         steps = engine.call(lambda: engine.scheduler.stats.forward_steps)
+        dtype = str(engine.model.dtype).removeprefix("torch.")
     tokens = sum(len(r.output_ids) for r in results)
     assert tokens == sum(n for _, n in work), "tandem produced the wrong number of tokens"
     ttft = sorted(r.time_to_first_token for r in results)
@@ -53,16 +54,17 @@ def run_tandem(config: EngineConfig, work) -> dict:
         "tokens_per_s": round(tokens / elapsed, 1),
         "forward_steps": steps,
         "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
+        "dtype": dtype,
     }
 
 
-def run_hf(config: EngineConfig, work, batch_size: int) -> dict:
+def run_hf(config: EngineConfig, work, batch_size: int, dtype: str) -> dict:
+    """`dtype`: the one tandem's run loaded (what `--dtype auto` resolved to there)."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.server.model import DTYPES, resolve_device, resolve_dtype
+    from tandem.server.model import DTYPES
     from tandem.server.model.loader import resolve_model
 
-    dtype, _ = resolve_dtype(config.dtype, resolve_device("cpu"))
     source = resolve_model(config.model)
     kwargs = {"gguf_file": source.path.name} if source.kind == "gguf" else {}
     model_dir = source.path.parent if source.kind == "gguf" else source.path
@@ -104,7 +106,7 @@ def run(config: EngineConfig, args) -> int:
     result["tandem"] = run_tandem(config, work)
     print(f"tandem: {result['tandem']}", flush=True)
     if not args.skip_hf:
-        result["hf_static_batches"] = run_hf(config, work, args.hf_batch_size)
+        result["hf_static_batches"] = run_hf(config, work, args.hf_batch_size, result["tandem"]["dtype"])
         print(f"HF transformers, static batches of {args.hf_batch_size}: {result['hf_static_batches']}", flush=True)
         result["ratio"] = round(result["tandem"]["tokens_per_s"] / result["hf_static_batches"]["tokens_per_s"], 2)
         print(f"tandem / HF = {result['ratio']}x", flush=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.common.cpu import cpu_flags
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import ModelLoadError, ModelSource, load_block_weights, load_weights, resolve_model
@@ -44,17 +45,30 @@ def resolve_device(device: str) -> torch.device:
 _CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> tuple[str, str]:
-    """The dtype to load with, and why: `auto` is bfloat16 where the device multiplies it natively
-    (CUDA; a CPU with AVX512-BF16 or AMX), else float32, which a CPU without them computes as
-    fast as emulated bfloat16 and exactly."""
+def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False) -> tuple[str, str]:
+    """The dtype to load with, and why. `auto` is bfloat16 on CUDA. On a CPU it is float32 where the
+    model comes with GGUF int8 blocks and tandem's CPU kernels run (decode streams 1.25 bytes per
+    weight, attention reads the float32 KV pages in place): measured faster than native bfloat16 on
+    an AVX512-BF16 CPU (`tandem bench offline`, README "Performance"); but not with AMX, whose
+    bfloat16 tiles should win prefill by more (not measured: no AMX machine at hand). Otherwise
+    bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32, which a CPU
+    without them computes as fast as emulated bfloat16 and exactly."""
     if dtype != "auto":
         return dtype, "asked for"
     if device.type == "cuda":
         return "bfloat16", "auto: CUDA"
-    native = [flag for flag in _CPU_HALF_FLAGS[torch.bfloat16] if flag in cpu_flags()]
+    flags = cpu_flags()
+    kernels_missing = None
+    if block_weights and "amx_bf16" not in flags:
+        kernels_missing = cpu_ops_unavailable()
+        if kernels_missing is None:
+            return "float32", "auto: decodes from the GGUF file's int8 blocks with tandem's CPU kernels, faster than bfloat16 without AMX"
+    native = [flag for flag in _CPU_HALF_FLAGS[torch.bfloat16] if flag in flags]
     if native:
-        return "bfloat16", f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)})"
+        why = f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)})"
+        if kernels_missing:
+            why += f"; tandem's CPU kernels, faster here, cannot run: {kernels_missing}"
+        return "bfloat16", why
     return "float32", "auto: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 would be emulated"
 
 
@@ -77,11 +91,11 @@ def load_model(model: str, dtype: str, device: str) -> LoadedModel:
     source = resolve_model(model)
     config, weights = load_weights(source)
     dev = resolve_device(device)
-    dtype, why = resolve_dtype(dtype, dev)
+    blocks = load_block_weights(source, config) if dev.type == "cpu" else {}
+    dtype, why = resolve_dtype(dtype, dev, block_weights=bool(blocks))
     compute = compute_dtype_for(DTYPES[dtype], dev)
     if compute != DTYPES[dtype]:
         why += f"; float32 math and KV cache: this CPU has no native {dtype} instructions"
-    blocks = load_block_weights(source, config) if dev.type == "cpu" else None
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute, blocks=blocks)
     log.info("%s on %s: %s weights (%s); projections %s; CPU flags: %s", source.name, dev, dtype, why,
              module.lm_head.describe(), " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-")

@@ -58,3 +58,21 @@ def test_auto_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
     assert model.resolve_dtype("auto", cpu) == ("bfloat16", "auto: this CPU multiplies bfloat16 natively (avx512_bf16)")
     assert model.resolve_dtype("auto", cuda)[0] == "bfloat16"
     assert model.resolve_dtype("float32", cpu) == ("float32", "asked for")
+
+
+def test_auto_dtype_is_float32_where_the_block_kernels_decode(monkeypatch):
+    from tandem.server import model
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])
+    monkeypatch.setattr(model, "cpu_ops_unavailable", lambda: None)
+    dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
+    assert dtype == "float32" and "int8 blocks" in why
+    assert model.resolve_dtype("auto", cpu, block_weights=False)[0] == "bfloat16"  # safetensors: no blocks
+    assert model.resolve_dtype("auto", torch.device("cuda"), block_weights=True)[0] == "bfloat16"
+    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16", "amx_bf16"])
+    assert model.resolve_dtype("auto", cpu, block_weights=True)[0] == "bfloat16"
+    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16"])
+    monkeypatch.setattr(model, "cpu_ops_unavailable", lambda: "TANDEM_CPU_KERNELS=0")
+    dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
+    assert dtype == "bfloat16" and why.endswith("cannot run: TANDEM_CPU_KERNELS=0")
