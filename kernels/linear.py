@@ -11,6 +11,9 @@ dtype on this CPU (bfloat16 without AVX512-BF16), or off the CPU, the weight sta
 
 A weight that came block-quantized from a GGUF file also keeps that form (`BlockWeights`), and
 batches of up to `BLOCK_MAX_ROWS` rows multiply it with `block_gemm`, streaming int8 instead of float32.
+A float32 weight may also keep a bfloat16 copy for the products over more rows (`prefill_dtype`:
+prefill chunks, large decode batches), which a CPU with AVX512-BF16 multiplies twice as fast; the
+product is rounded on the way in and returned in float32. That is the one inexact path here.
 """
 
 from __future__ import annotations
@@ -32,15 +35,20 @@ PACK_BATCH_HINT = 64
 
 class Linear:
     """`y = x @ weight.T (+ bias)` for a weight given as [out, in] (HF's layout), and optionally
-    the same weight block-quantized (`blocks`, which must dequantize to `weight` exactly)."""
+    the same weight block-quantized (`blocks`, which must dequantize to `weight` exactly) for
+    small batches and in `prefill_dtype` for large ones."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockWeights | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockWeights | None = None,
+                 prefill_dtype: torch.dtype | None = None):
         self.bias = bias
         self.kind = "plain"
         self.blocks = None
-        if blocks is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            if cpu_ops_unavailable() is None:
-                self.blocks = blocks
+        self.prefill = None  # Linear over the weight in prefill_dtype, for more than BLOCK_MAX_ROWS rows
+        float32_on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        if blocks is not None and float32_on_cpu and cpu_ops_unavailable() is None:
+            self.blocks = blocks
+        if prefill_dtype not in (None, torch.float32) and float32_on_cpu:
+            self.prefill = Linear(weight.to(prefill_dtype))
         if weight.device.type == "cpu" and onednn_supports(weight.dtype):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
             self.kind = "onednn"
@@ -51,21 +59,27 @@ class Linear:
             self.weight = weight.contiguous()
 
     def describe(self) -> str:
-        kind = {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind] + (
+        own = {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind] + (
             f" {str(self.weight.dtype).removeprefix('torch.')}")
-        if self.blocks is None:
-            return kind
-        return f"int8 blocks up to {BLOCK_MAX_ROWS} rows, {kind} above"
+        small = "int8 blocks" if self.blocks is not None else own
+        large = self.prefill.describe() if self.prefill is not None else own
+        return own if small == large else f"{small} up to {BLOCK_MAX_ROWS} rows, {large} above"
 
     def streamed_bytes(self, rows: int) -> int:
         """Bytes of weight one product over `rows` rows reads."""
         if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
             return sum(t.numel() * t.element_size() for t in (self.blocks.q, self.blocks.scale, self.blocks.offset))
+        if self.prefill is not None and rows > BLOCK_MAX_ROWS:
+            return self.prefill.streamed_bytes(rows)
         return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and x.shape[0] <= BLOCK_MAX_ROWS:
+        rows = x.shape[0]
+        if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
             y = block_gemm(x, self.blocks)
+            return y if self.bias is None else y + self.bias
+        if self.prefill is not None and rows > BLOCK_MAX_ROWS:
+            y = self.prefill(x.to(self.prefill.weight.dtype)).float()
             return y if self.bias is None else y + self.bias
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

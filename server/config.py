@@ -20,7 +20,11 @@ BUILTIN_MODEL = "builtin:smollm2-135m"
 class EngineConfig:
     model: str = opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, a HF safetensors directory, or hf:<org>/<name> from the local HF cache")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
-        "auto", "weight and activation dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
+        "auto", "weight and activation dtype; auto: bfloat16 on CUDA; on a CPU float32 where tandem's int8-block "
+        "kernels run (GGUF models, AVX2, no AMX), else bfloat16 with AVX512-BF16 or AMX, else float32")
+    prefill_dtype: Literal["auto", "float32", "bfloat16"] = opt(
+        "auto", "for float32 weights on a CPU: the dtype of projections over more than 8 tokens (prefill, large "
+        "decode batches); auto: bfloat16 where --dtype is auto and the CPU multiplies it natively, else float32 (exact)")
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     attention_backend: Literal["auto", "torch", "flashinfer"] = opt(
         "auto", "attention kernels: flashinfer on CUDA, torch elsewhere"

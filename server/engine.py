@@ -74,7 +74,7 @@ class Engine:
         config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model = model or load_model(config.model, config.dtype, config.device)
+        self.model = model or load_model(config.model, config.dtype, config.device, config.prefill_dtype)
         mc = self.model.config
         self.tokenizer = self.model.tokenizer
         self.context_length = config.context_length or mc.max_position_embeddings

@@ -54,7 +54,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor], blocks: dict[str, BlockWeights]):
+    def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor], blocks: dict[str, BlockWeights],
+                 prefill_dtype: torch.dtype | None = None):
         super().__init__()
         p = f"model.layers.{index}."
         self.index = index
@@ -64,7 +65,7 @@ class DecoderLayer(nn.Module):
             """One projection over the row-concatenation of `names`' weights."""
             keys = [p + name + ".weight" for name in names]
             fused_blocks = BlockWeights.cat([blocks[k] for k in keys]) if all(k in blocks for k in keys) else None
-            return Linear(torch.cat([w[k] for k in keys]), bias, fused_blocks)
+            return Linear(torch.cat([w[k] for k in keys]), bias, fused_blocks, prefill_dtype)
 
         qkv_bias = None
         if config.attention_bias:
@@ -98,10 +99,12 @@ class LlamaForCausalLM(nn.Module):
         device,
         compute_dtype: torch.dtype | None = None,
         blocks: dict[str, BlockWeights] | None = None,
+        prefill_dtype: torch.dtype | None = None,
     ):
         """Weights are rounded to `dtype` and held (and computed with) in `compute_dtype`
         (default: `dtype`). `blocks`: the block-quantized form of some weights (the loader's
-        `load_block_weights`), used only where the weights stay float32, on the CPU."""
+        `load_block_weights`), used only where the weights stay float32, on the CPU. `prefill_dtype`:
+        where the weights stay float32 on the CPU, the dtype of products over more than 8 rows."""
         super().__init__()
         self.config = config
         compute_dtype = compute_dtype or dtype
@@ -110,12 +113,12 @@ class LlamaForCausalLM(nn.Module):
         if dtype != torch.float32 or compute_dtype != torch.float32 or torch.device(device).type != "cpu":
             blocks = None
         blocks = blocks or {}
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype) for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,
         # the logits GEMM its own layout.
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = Linear(w[head], blocks=blocks.get(head))
+        self.lm_head = Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype)
         self.register_buffer("inv_freq", rope_inv_freq(config, weights.get("rope_freqs")), persistent=False)
         self.to(device)
 

@@ -18,10 +18,14 @@ __all__ = ["PDStack", "RouterProcess", "ServerProcess", "assert_all_freed", "fre
 
 
 class ServerProcess:
-    """`tandem serve` in a subprocess; waits until gRPC health says SERVING."""
+    """`tandem serve` in a subprocess (float32 unless `--dtype` is given); waits until gRPC health
+    says SERVING."""
 
     def __init__(self, *extra: str, log_path: Path, wait: bool = True):
-        self.log_path, self.args = log_path, list(extra)
+        # float32 unless a test asks otherwise: the tests compare with HF transformers in float32,
+        # and `--dtype auto` rounds prefill products to bfloat16 on CPUs with AVX512-BF16.
+        dtype = () if "--dtype" in extra else ("--dtype", "float32")
+        self.log_path, self.args = log_path, [*dtype, *extra]
         self.proc, self.port, self.metrics_port = spawn_server(self.args, log_path)
         self.target = f"127.0.0.1:{self.port}"
         if wait:

@@ -76,3 +76,46 @@ def test_auto_dtype_is_float32_where_the_block_kernels_decode(monkeypatch):
     monkeypatch.setattr(model, "cpu_ops_unavailable", lambda: "TANDEM_CPU_KERNELS=0")
     dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
     assert dtype == "bfloat16" and why.endswith("cannot run: TANDEM_CPU_KERNELS=0")
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 64])
+def test_a_bfloat16_prefill_copy_serves_only_products_over_eight_rows(rows):
+    torch.manual_seed(rows)
+    w, b = torch.randn(256, 128) * 0.05, torch.randn(256)
+    x = torch.randn(rows, 128)
+    linear = Linear(w, b, prefill_dtype=torch.bfloat16)
+    assert linear.describe().startswith("oneDNN-packed float32 up to 8 rows, ") and linear.describe().endswith(" bfloat16 above")
+    y = linear(x)
+    assert y.dtype == torch.float32
+    if rows <= 8:  # decode steps stay exact
+        torch.testing.assert_close(y, Linear(w, b)(x), rtol=0, atol=0)
+        assert linear.streamed_bytes(rows) == w.numel() * 4
+    else:
+        torch.testing.assert_close(y, Linear(w.bfloat16())(x.bfloat16()).float() + b, rtol=0, atol=0)
+        assert linear.streamed_bytes(rows) == w.numel() * 2
+    # within bfloat16's rounding of both factors (8 bits of mantissa, 128 products)
+    torch.testing.assert_close(y.double(), reference(x, w, b), rtol=2e-2, atol=2e-2)
+
+
+def test_only_float32_weights_on_a_cpu_keep_a_prefill_copy():
+    assert Linear(torch.randn(16, 16).bfloat16(), prefill_dtype=torch.bfloat16).prefill is None
+    assert Linear(torch.randn(16, 16), prefill_dtype=torch.float32).prefill is None
+
+
+def test_prefill_dtype_auto_rounds_only_where_dtype_was_auto_and_bfloat16_is_native(monkeypatch):
+    from tandem.server import model
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(model, "onednn_supports", lambda dtype: True)
+    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16"])
+    assert model.resolve_prefill_dtype("auto", "auto", "float32", cpu)[0] == "bfloat16"
+    assert model.resolve_prefill_dtype("auto", "float32", "float32", cpu) == (
+        "float32", "auto: --dtype float32 asked for exact math")
+    assert model.resolve_prefill_dtype("float32", "auto", "float32", cpu) == ("float32", "asked for")
+    assert model.resolve_prefill_dtype("auto", "auto", "bfloat16", cpu) == ("bfloat16", "as the weights")
+    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma"])
+    assert model.resolve_prefill_dtype("auto", "auto", "float32", cpu)[0] == "float32"
+    assert model.resolve_prefill_dtype("bfloat16", "float32", "float32", cpu) == ("bfloat16", "asked for")
+    with pytest.raises(ValueError, match=r"--prefill-dtype=bfloat16 applies to float32 weights on a CPU; "
+                                         r"here they are bfloat16 on cuda"):
+        model.resolve_prefill_dtype("bfloat16", "auto", "bfloat16", torch.device("cuda"))
