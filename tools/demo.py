@@ -6,6 +6,7 @@ instead, with no servers.
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
 import threading
@@ -81,6 +82,10 @@ def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool,
 
     logs = Path(log_dir or tempfile.mkdtemp(prefix="tandem-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
+    # SIGINT and SIGTERM stop the stack, also where the demo started with SIGINT ignored (a shell
+    # running it in the background without job control does that), and never leave servers behind.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     stack = LocalStack(logs, tuple(engine_args))
     try:
         t0 = time.monotonic()
@@ -110,6 +115,10 @@ def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool,
         _say("shutting down ...")
         stack.close()  # whatever happened above, the servers and the router go too
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _say(text: str) -> None:

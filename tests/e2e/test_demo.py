@@ -19,10 +19,13 @@ from tandem.tools.stack import http_post
 
 
 def test_pd_demo_keeps_running_until_ctrl_c(tmp_path):
+    # Started with SIGINT ignored, as a non-interactive shell starts a background job (`demo &`):
+    # SIGINT must still stop it.
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli.main", "demo", "--max-new-tokens", "12", "--max-total-tokens", "8192",
          "--keep-running", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         lines = []
