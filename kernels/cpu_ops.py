@@ -3,10 +3,17 @@ builder on first use and cached under $TORCH_EXTENSIONS_DIR (about a minute with
 set-up script builds it ahead). They register as `torch.ops.tandem.*`:
 
 - `block_gemm`: projections over GGUF-style int8 blocks (block_linear.py);
-- `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py).
+- `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py);
+- `parallel_threads`: how many threads a parallel region runs on (a check for the tests).
 
-Both are float32 and written for AVX2 + FMA. Where they cannot run (another CPU, no compiler,
-`TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch paths.
+They split their work with at::parallel_for, which is compiled into the library from ATen's
+headers: built without OpenMP it runs serially and says nothing (a two-core decode step ran its
+projections on one core until that was seen), so the library is built with -fopenmp and binds
+to the OpenMP runtime torch has already loaded, sharing its thread pool and torch.set_num_threads.
+
+The first two are float32 and written for AVX2 + FMA. Where they cannot run (another CPU, no
+compiler, `TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch
+paths.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ def _load() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load("tandem_cpu_ops", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False)
+        load("tandem_cpu_ops", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja: serve with the torch paths
         log.warning("tandem's CPU kernels are unavailable, using torch's: %s", e)
         return f"they did not build: {type(e).__name__}: {str(e)[:200]}"

@@ -119,3 +119,15 @@ def test_gguf_blocks_read_back_exactly_as_gguf_dequantizes_them(tmp_path):
         assert torch.equal(got, want), key
     assert blocks["model.layers.0.self_attn.q_proj.weight"].q.min() < 0  # Q4_0 is centred: q - 8
     assert load_block_weights(ModelSource("hf", tmp_path, "tiny"), config) == {}
+
+
+def test_the_kernels_run_on_torchs_thread_pool():
+    """at::parallel_for built without OpenMP runs serially without a word: the kernels would use
+    one core of many. They share torch's pool, and follow torch.set_num_threads."""
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.ops.tandem.parallel_threads() == n
+    finally:
+        torch.set_num_threads(before)
