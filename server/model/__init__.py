@@ -126,5 +126,5 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto")
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev)
 
 
-__all__ = ["LoadedModel", "ModelConfig", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype", "resolve_prefill_dtype", "compute_dtype_for",
-           "cpu_flags", "DTYPES"]
+__all__ = ["LoadedModel", "ModelConfig", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
+           "resolve_prefill_dtype", "compute_dtype_for", "cpu_flags", "DTYPES"]
