@@ -49,7 +49,10 @@ class Linear:
             self.blocks = blocks
         if prefill_dtype not in (None, torch.float32) and float32_on_cpu:
             self.prefill = Linear(weight.to(prefill_dtype))
-        if weight.device.type == "cpu" and onednn_supports(weight.dtype):
+        if self.blocks is not None and self.prefill is not None:
+            self.weight = None  # every product goes to one of those two: no third copy
+            self.kind = "none"
+        elif weight.device.type == "cpu" and onednn_supports(weight.dtype):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
             self.kind = "onednn"
         elif weight.device.type == "cpu" and weight.dtype == torch.float32:
@@ -59,8 +62,9 @@ class Linear:
             self.weight = weight.contiguous()
 
     def describe(self) -> str:
-        own = {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind] + (
-            f" {str(self.weight.dtype).removeprefix('torch.')}")
+        own = None if self.weight is None else (
+            {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind]
+            + f" {str(self.weight.dtype).removeprefix('torch.')}")
         small = "int8 blocks" if self.blocks is not None else own
         large = self.prefill.describe() if self.prefill is not None else own
         return own if small == large else f"{small} up to {BLOCK_MAX_ROWS} rows, {large} above"

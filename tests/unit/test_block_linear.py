@@ -131,3 +131,15 @@ def test_the_kernels_run_on_torchs_thread_pool():
             assert torch.ops.tandem.parallel_threads() == n
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+def test_with_blocks_and_a_bfloat16_copy_no_float32_copy_is_kept(rows):
+    blocks = random_blocks(256, 128, "q4_1", seed=rows)
+    w = blocks.dequantize()
+    linear = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
+    assert linear.weight is None and linear.describe().startswith("int8 blocks up to 8 rows, ")
+    x = torch.randn(rows, 128)
+    want = block_gemm(x, blocks) if rows <= BLOCK_MAX_ROWS else Linear(w.bfloat16())(x.bfloat16()).float()
+    torch.testing.assert_close(linear(x), want, rtol=0, atol=0)
+    assert linear.streamed_bytes(rows) == (blocks.q.numel() + 8 * blocks.scale.numel() if rows <= 8 else 2 * w.numel())
