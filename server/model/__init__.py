@@ -46,6 +46,11 @@ def resolve_device(device: str) -> torch.device:
 _CPU_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
+def _native_bf16_flags(flags: list[str]) -> list[str]:
+    """The flags among `flags` with which this CPU multiplies bfloat16 natively."""
+    return [flag for flag in _CPU_HALF_FLAGS[torch.bfloat16] if flag in flags]
+
+
 def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False) -> tuple[str, str]:
     """The dtype to load with, and why. `auto` is bfloat16 on CUDA. On a CPU it is float32 where the
     model comes with GGUF int8 blocks and tandem's CPU kernels run (decode streams 1.25 bytes per
@@ -64,7 +69,7 @@ def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False)
         kernels_missing = cpu_ops_unavailable()
         if kernels_missing is None:
             return "float32", "auto: decodes from the GGUF file's int8 blocks with tandem's CPU kernels, faster than bfloat16 without AMX"
-    native = [flag for flag in _CPU_HALF_FLAGS[torch.bfloat16] if flag in flags]
+    native = _native_bf16_flags(flags)
     if native:
         why = f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)})"
         if kernels_missing:
@@ -95,7 +100,7 @@ def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, devi
         return dtype, "as the weights"
     if prefill_dtype != "auto":
         return prefill_dtype, "asked for"
-    native = [flag for flag in _CPU_HALF_FLAGS[torch.bfloat16] if flag in cpu_flags()]
+    native = _native_bf16_flags(cpu_flags())
     if asked_dtype == "auto" and native and onednn_supports(torch.bfloat16):
         return "bfloat16", f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)}), twice float32's GEMM speed"
     if asked_dtype != "auto":
