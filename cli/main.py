@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     blin.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256], help="batch sizes (rows of x)")
     blin.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="default: both")
     blin.add_argument("--num-threads", type=int, help="torch CPU threads (default: all cores)")
+    blin.add_argument("--whole-model", action="store_true", help="one pass over all of the model's projections "
+                      "per batch size, as a step streams them, in each form a float32 model on a CPU can use")
     blin.set_defaults(func=cmd_bench_linear)
 
     bpeers = bench_sub.add_parser("peers", help="tandem (colocated and 1 prefill + 1 decode) against vLLM's CPU build "

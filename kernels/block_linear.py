@@ -10,6 +10,11 @@ instead of 4.
 
 It pays where decoding is bound by weight bandwidth, a few rows at a time; larger batches go to
 oneDNN (`Linear` picks per call; `BLOCK_MAX_ROWS`). `tandem bench linear` measures both.
+
+`block_gemm_bf16` (csrc/block_gemm_bf16.cpp) streams the same blocks but rounds the rebuilt weights
+and x to bfloat16 and multiplies with AVX512-BF16's dot products (float32 sums): where several rows
+make the float32 kernel bound by arithmetic, not bytes, it does the same product in about two thirds
+of the time. It is not exact: `Linear` uses it only where products are asked to run in bfloat16.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tandem.common.cpu import cpu_flags
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 BLOCK = 32
 # Up to this many rows the int8 blocks beat oneDNN's float32 (measured on a 2-core AVX2 EPYC over
@@ -48,3 +56,15 @@ class BlockWeights:
 def block_gemm(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     """x [M, K] float32 @ w.T -> [M, N] float32."""
     return torch.ops.tandem.block_gemm(x, w.q, w.scale, w.offset)
+
+
+def block_gemm_bf16(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32, both rounded to bfloat16 and multiplied in it."""
+    return torch.ops.tandem.block_gemm_bf16(x, w.q, w.scale, w.offset)
+
+
+def bfloat16_blocks_unavailable() -> str | None:
+    """None when `block_gemm_bf16` can run here, else why not."""
+    if (why := cpu_ops_unavailable()) is not None:
+        return f"tandem's CPU kernels are unavailable: {why}"
+    return None if "avx512_bf16" in cpu_flags() else "this CPU lacks AVX512-BF16"

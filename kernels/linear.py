@@ -11,9 +11,11 @@ dtype on this CPU (bfloat16 without AVX512-BF16), or off the CPU, the weight sta
 
 A weight that came block-quantized from a GGUF file also keeps that form (`BlockWeights`), and
 batches of up to `BLOCK_MAX_ROWS` rows multiply it with `block_gemm`, streaming int8 instead of float32.
-A float32 weight may also keep a bfloat16 copy for the products over more rows (`prefill_dtype`:
-prefill chunks, large decode batches), which a CPU with AVX512-BF16 multiplies twice as fast; the
-product is rounded on the way in and returned in float32. That is the one inexact path here.
+A float32 weight may also have its products over many rows run in bfloat16 (`prefill_dtype`: prefill
+chunks, decode batches of `BFLOAT16_MIN_ROWS` or more), which a CPU with AVX512-BF16 multiplies two
+to three times as fast: above `BLOCK_MAX_ROWS` rows against a bfloat16 copy of the weight (oneDNN),
+from `BFLOAT16_MIN_ROWS` up to it against the int8 blocks (`block_gemm_bf16`). Inputs are rounded
+on the way in and products returned in float32. That is the one inexact path here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, bfloat16_blocks_unavailable, block_gemm,
+                                         block_gemm_bf16)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 log = logging.getLogger("tandem.kernels")
@@ -31,12 +34,18 @@ log = logging.getLogger("tandem.kernels")
 # The batch size oneDNN's weight layout is chosen for: 64 measured as good as the best hint at
 # every batch size from 1 to 1024 rows.
 PACK_BATCH_HINT = 64
+# From this many rows, a product asked to run in bfloat16 does so against the int8 blocks too; below
+# it the float32 block kernel is bound by the weight's bytes, and rounding would buy little. All of
+# SmolLM2's projections on a 2-core AVX512-BF16 EPYC (`tandem bench linear --whole-model`), float32
+# blocks against bfloat16 blocks: 7.5 / 7.2 ms at 1 row, 10.8 / 8.9 at 4, 12.4 / 10.2 at 5,
+# 18.5 / 14.1 at 8 (oneDNN bfloat16 at 8: 15.7; at 12 rows it wins: 16.8 against 19.6).
+BFLOAT16_MIN_ROWS = 5
 
 
 class Linear:
     """`y = x @ weight.T (+ bias)` for a weight given as [out, in] (HF's layout), and optionally
     the same weight block-quantized (`blocks`, which must dequantize to `weight` exactly) for
-    small batches and in `prefill_dtype` for large ones."""
+    small batches, and products over many rows in `prefill_dtype`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: BlockWeights | None = None,
                  prefill_dtype: torch.dtype | None = None):
@@ -44,11 +53,14 @@ class Linear:
         self.kind = "plain"
         self.blocks = None
         self.prefill = None  # Linear over the weight in prefill_dtype, for more than BLOCK_MAX_ROWS rows
+        self.bfloat16_blocks = False  # products of BFLOAT16_MIN_ROWS to BLOCK_MAX_ROWS rows in bfloat16
         float32_on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         if blocks is not None and float32_on_cpu and cpu_ops_unavailable() is None:
             self.blocks = blocks
         if prefill_dtype not in (None, torch.float32) and float32_on_cpu:
             self.prefill = Linear(weight.to(prefill_dtype))
+            self.bfloat16_blocks = (self.blocks is not None and prefill_dtype == torch.bfloat16
+                                    and bfloat16_blocks_unavailable() is None)
         if self.blocks is not None and self.prefill is not None:
             self.weight = None  # every product goes to one of those two: no third copy
             self.kind = "none"
@@ -67,6 +79,9 @@ class Linear:
             + f" {str(self.weight.dtype).removeprefix('torch.')}")
         small = "int8 blocks" if self.blocks is not None else own
         large = self.prefill.describe() if self.prefill is not None else own
+        if self.bfloat16_blocks:
+            return (f"{small} up to {BFLOAT16_MIN_ROWS - 1} rows, {small} in bfloat16 up to {BLOCK_MAX_ROWS}, "
+                    f"{large} above")
         return own if small == large else f"{small} up to {BLOCK_MAX_ROWS} rows, {large} above"
 
     def streamed_bytes(self, rows: int) -> int:
@@ -80,7 +95,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
-            y = block_gemm(x, self.blocks)
+            bf16 = self.bfloat16_blocks and rows >= BFLOAT16_MIN_ROWS
+            y = block_gemm_bf16(x, self.blocks) if bf16 else block_gemm(x, self.blocks)
             return y if self.bias is None else y + self.bias
         if self.prefill is not None and rows > BLOCK_MAX_ROWS:
             y = self.prefill(x.to(self.prefill.weight.dtype)).float()

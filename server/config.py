@@ -23,8 +23,8 @@ class EngineConfig:
         "auto", "weight and activation dtype; auto: bfloat16 on CUDA; on a CPU float32 where tandem's int8-block "
         "kernels run (GGUF models, AVX2, no AMX), else bfloat16 with AVX512-BF16 or AMX, else float32")
     prefill_dtype: Literal["auto", "float32", "bfloat16"] = opt(
-        "auto", "for float32 weights on a CPU: the dtype of projections over more than 8 tokens (prefill, large "
-        "decode batches); auto: bfloat16 where --dtype is auto and the CPU multiplies it natively, else float32 (exact)")
+        "auto", "for float32 weights on a CPU: the dtype of projections over many rows (prefill chunks, decode "
+        "steps of 5+ requests); auto: bfloat16 where --dtype is auto and the CPU multiplies it natively, else float32 (exact)")
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     attention_backend: Literal["auto", "torch", "flashinfer"] = opt(
         "auto", "attention kernels: flashinfer on CUDA, torch elsewhere"

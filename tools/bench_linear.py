@@ -6,6 +6,11 @@ int8 blocks (`block_gemm`, what decode steps of up to 8 rows use for GGUF models
 weight-only int8 kernel (`_weight_int8pack_mm`, per-channel scales). Prints milliseconds per
 product and each form's time over `F.linear`'s, as one JSON line per shape and batch size. Small
 projections stay in cache between repeats here; a decode step streams them all from memory.
+
+`--whole-model` times what a step does instead: one pass over all of the model's projections, each
+layer's own weights (so they stream from memory), per batch size, in the forms a float32 model on
+a CPU can use: the int8 blocks in float32 and in bfloat16 (`block_gemm`, `block_gemm_bf16`) and
+oneDNN over float32 and bfloat16 weights; each form's time over the float32 blocks'.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import BlockWeights, block_gemm
+from tandem.kernels.block_linear import BlockWeights, bfloat16_blocks_unavailable, block_gemm, block_gemm_bf16
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.linear import Linear
+from tandem.kernels.linear import Linear, onednn_supports
 
 
 def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -41,9 +46,46 @@ def seconds_per_call(fn, min_seconds: float = 0.2) -> float:
     return elapsed / calls
 
 
+def random_blocks(n_out: int, n_in: int) -> BlockWeights:
+    return BlockWeights(torch.randint(0, 16, (n_out, n_in), dtype=torch.int8),
+                        torch.rand(n_out, n_in // 32) * 0.01, torch.rand(n_out, n_in // 32) * -0.05)
+
+
+def run_whole_model(args) -> int:
+    from tandem.server.model.loader import load_weights, resolve_model
+
+    per_layer = projection_shapes(args.model)
+    num_layers = load_weights(resolve_model(args.model))[0].num_layers
+    shapes = [per_layer[p] for _ in range(num_layers) for p in ("qkv", "o", "gate_up", "down")] + [per_layer["lm_head"]]
+    if (why := cpu_ops_unavailable()) is not None:
+        raise SystemExit(f"--whole-model compares tandem's block kernels, which cannot run here: {why}")
+    blocks = [random_blocks(*shape) for shape in shapes]
+    forms = {"int8 blocks": lambda x: [block_gemm(x[b.q.shape[1]], b) for b in blocks]}
+    if bfloat16_blocks_unavailable() is None:
+        forms["int8 blocks, bfloat16"] = lambda x: [block_gemm_bf16(x[b.q.shape[1]], b) for b in blocks]
+    for dtype in (torch.float32, torch.bfloat16):
+        if onednn_supports(dtype):
+            linears = [Linear(b.dequantize().to(dtype)) for b in blocks]
+            forms[f"oneDNN {str(dtype).removeprefix('torch.')}"] = (
+                lambda x, linears=linears, dtype=dtype: [lin(x[lin.weight.shape[1]].to(dtype)) for lin in linears])
+    for rows in args.rows:
+        x = {k: torch.randn(rows, k) for _, k in shapes}
+        times = {name: min(seconds_per_call(lambda: form(x), min_seconds=0.05) for _ in range(3))
+                 for name, form in forms.items()}
+        base = times["int8 blocks"]
+        print(json.dumps({
+            "bench": "linear", "whole_model": args.model, "projections": len(shapes), "rows": rows,
+            "threads": torch.get_num_threads(),
+            **{k: {"ms": round(t * 1e3, 2), "vs_int8_blocks": round(t / base, 2)} for k, t in times.items()},
+        }), flush=True)
+    return 0
+
+
 def run(args) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    if args.whole_model:
+        return run_whole_model(args)
     shapes = projection_shapes(args.model)
     for dtype_name in args.dtype or ["float32", "bfloat16"]:
         dtype = getattr(torch, dtype_name)
@@ -63,9 +105,10 @@ def run(args) -> int:
                     q8 = (weight / scales[:, None]).round().to(torch.int8)
                     times["int8 weight-only"] = seconds_per_call(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scales))
                     if cpu_ops_unavailable() is None:
-                        blocks = BlockWeights(torch.randint(0, 16, (n_out, n_in), dtype=torch.int8),
-                                              torch.rand(n_out, n_in // 32) * 0.01, torch.rand(n_out, n_in // 32) * -0.05)
+                        blocks = random_blocks(n_out, n_in)
                         times["int8 blocks"] = seconds_per_call(lambda: block_gemm(x, blocks))
+                    if bfloat16_blocks_unavailable() is None:
+                        times["int8 blocks, bfloat16"] = seconds_per_call(lambda: block_gemm_bf16(x, blocks))
                 base = times["F.linear"]
                 print(json.dumps({
                     "bench": "linear", "dtype": dtype_name, "projection": name, "shape": [n_out, n_in], "rows": rows,

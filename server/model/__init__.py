@@ -90,10 +90,11 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, device: torch.device) -> tuple[str, str]:
-    """The dtype of projections over more than 8 rows, and why. Only float32 weights on a CPU have
-    a choice: bfloat16 there rounds each prefill product's inputs (not the KV cache, attention or
-    decode steps of up to 8 rows), for twice float32's GEMM speed on AVX512-BF16. `auto` takes it
-    only where `--dtype` was auto too, so that `--dtype float32` stays exact."""
+    """The dtype of projections over many rows, and why. Only float32 weights on a CPU have a
+    choice: bfloat16 there rounds the inputs of prefill products and of decode steps of 5 rows or
+    more (`tandem.kernels.linear`; not the KV cache, attention or smaller decode steps), for two to
+    three times float32's speed on AVX512-BF16. `auto` takes it only where `--dtype` was auto too,
+    so that `--dtype float32` stays exact."""
     if dtype != "float32" or device.type != "cpu":
         if prefill_dtype == "bfloat16":
             raise ValueError(f"--prefill-dtype=bfloat16 applies to float32 weights on a CPU; here they are {dtype} on {device}")
@@ -102,7 +103,7 @@ def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, devi
         return prefill_dtype, "asked for"
     native = _native_bf16_flags(cpu_flags())
     if asked_dtype == "auto" and native and onednn_supports(torch.bfloat16):
-        return "bfloat16", f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)}), twice float32's GEMM speed"
+        return "bfloat16", f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)}), 2-3x float32's speed"
     if asked_dtype != "auto":
         return "float32", "auto: --dtype float32 asked for exact math"
     return "float32", "auto: no native bfloat16 on this CPU"
@@ -125,7 +126,7 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto")
     prefill, prefill_why = resolve_prefill_dtype(prefill_dtype, asked, dtype, dev)
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute, blocks=blocks,
                               prefill_dtype=DTYPES[prefill] if prefill != dtype else None)
-    log.info("%s on %s: %s weights (%s); prefill projections in %s (%s); projections %s; CPU flags: %s",
+    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); projections: %s; CPU flags: %s",
              source.name, dev, dtype, why, prefill, prefill_why, module.lm_head.describe(),
              " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-")
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev)

@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         """Weights are rounded to `dtype` and held (and computed with) in `compute_dtype`
         (default: `dtype`). `blocks`: the block-quantized form of some weights (the loader's
         `load_block_weights`), used only where the weights stay float32, on the CPU. `prefill_dtype`:
-        where the weights stay float32 on the CPU, the dtype of products over more than 8 rows."""
+        where the weights stay float32 on the CPU, the dtype of products over many rows (`Linear`)."""
         super().__init__()
         self.config = config
         compute_dtype = compute_dtype or dtype

@@ -1,9 +1,11 @@
-"""The one inexact fast path of float32 serving: projections over more than 8 rows (prefill
-chunks, large decode batches) in bfloat16 (`--prefill-dtype`, auto on CPUs with AVX512-BF16).
-Against HF transformers in float32 on the same GGUF weights: teacher-forced logits within
-TOLERANCE, and greedy output equal up to the first position where the reference's top-2 logit gap
-is below TOLERANCE. Loaded with the path forced on, so it runs on every CPU (emulated where
-bfloat16 is not native: slower, within the same tolerance)."""
+"""The one inexact fast path of float32 serving: projections over many rows in bfloat16
+(`--prefill-dtype`, auto on CPUs with AVX512-BF16): prefill chunks and decode batches of more than
+8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF int8
+blocks (`block_gemm_bf16`, where the CPU has AVX512-BF16). Against HF transformers in float32 on the
+same GGUF weights: teacher-forced logits within TOLERANCE, and greedy output equal up to the first
+position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
+so it runs on every CPU (the copy's products emulated where bfloat16 is not native: slower, within
+the same tolerance; the blocks' products exact float32 there, as the CPU lacks the instruction)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 from support.checks import assert_engine_clean, assert_matches_reference
 from support.prompts import prompts
 from tandem.kernels.attention import AttentionBatch, create_backend
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, bfloat16_blocks_unavailable
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
+from tandem.kernels.linear import BFLOAT16_MIN_ROWS
 from tandem.server.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
@@ -31,16 +35,29 @@ def smollm_bf16_prefill():
     return load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16")
 
 
-def prompt_logits(loaded, ids: list[int], page_size: int = 16) -> torch.Tensor:
-    """Every position's logits from one forward pass over the whole prompt: [len(ids), vocab]."""
+def prompt_logits(loaded, ids: list[int], piece: int | None = None, page_size: int = 16) -> torch.Tensor:
+    """Every position's logits, [len(ids), vocab], from forward passes over `piece` tokens at a time
+    (default: one pass over the whole prompt)."""
     c = loaded.config
     pages = list(range(-(-len(ids) // page_size)))
     cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.compute_dtype, loaded.device)
     attn = create_backend("torch", cache, c.num_heads, c.head_dim)
-    attn.prepare(AttentionBatch(q_lens=[len(ids)], kv_lens=[len(ids)], page_tables=[pages], num_extends=1,
-                                out_slots=torch.tensor(flat_slots(pages, 0, len(ids), page_size))))
-    with torch.inference_mode():
-        return loaded.module.logits(loaded.module(torch.tensor(ids), torch.arange(len(ids)), attn)).float()
+    piece = piece or len(ids)
+    logits = []
+    for start in range(0, len(ids), piece):
+        end = min(start + piece, len(ids))
+        attn.prepare(AttentionBatch(q_lens=[end - start], kv_lens=[end], page_tables=[pages], num_extends=1,
+                                    out_slots=torch.tensor(flat_slots(pages, start, end, page_size))))
+        with torch.inference_mode():
+            hidden = loaded.module(torch.tensor(ids[start:end]), torch.arange(start, end), attn)
+            logits.append(loaded.module.logits(hidden).float())
+    return torch.cat(logits)
+
+
+def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    error, mean = float((got - want).abs().max()), float((got - want).abs().mean())
+    # float32 agrees to ~1e-4: an error this size is bfloat16's rounding, so the path ran
+    assert 1e-3 < error < TOLERANCE and mean < MEAN_TOLERANCE, f"{what}: logit error {error:.3g}, mean {mean:.3g}"
 
 
 def test_every_projection_over_eight_rows_is_bfloat16(smollm_bf16_prefill):
@@ -54,10 +71,26 @@ def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16_pr
     for p in (ids[3], ids[5], ids[7], ids[9]):  # ~20 to 1,200+ tokens: every one a product of more than 8 rows
         with torch.inference_mode():
             want = hf_reference.model(torch.tensor([p])).logits[0].float()
-        got = prompt_logits(smollm_bf16_prefill, p)
-        error, mean = float((got - want).abs().max()), float((got - want).abs().mean())
-        # float32 agrees to ~1e-4: an error this size is bfloat16's rounding, so the path ran
-        assert 1e-3 < error < TOLERANCE and mean < MEAN_TOLERANCE, f"{len(p)} tokens: logit error {error:.3g}, mean {mean:.3g}"
+        assert_close_to_reference(prompt_logits(smollm_bf16_prefill, p), want, f"{len(p)} tokens")
+
+
+def test_decode_sized_products_round_against_the_int8_blocks(smollm_bf16_prefill, hf_reference):
+    """Prompts fed 6 tokens at a time: every product has as many rows as a 6-request decode step."""
+    piece = 6
+    assert BFLOAT16_MIN_ROWS <= piece <= BLOCK_MAX_ROWS
+    why = bfloat16_blocks_unavailable()
+    module = smollm_bf16_prefill.module
+    assert module.lm_head.bfloat16_blocks == (why is None)
+    ids = prompts(smollm_bf16_prefill.tokenizer)
+    for p in (ids[3], ids[5], ids[7]):
+        with torch.inference_mode():
+            want = hf_reference.model(torch.tensor([p])).logits[0].float()
+        got = prompt_logits(smollm_bf16_prefill, p, piece=piece)
+        if why is None:
+            assert_close_to_reference(got, want, f"{len(p)} tokens, {piece} at a time")
+        else:  # no AVX512-BF16: these products stay float32 (exact), the reason is the CPU's
+            assert why == "this CPU lacks AVX512-BF16" or why.startswith("tandem's CPU kernels are unavailable")
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefill, hf_reference):
@@ -65,7 +98,8 @@ def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefil
     from tandem.server.engine import Engine
 
     workload = [(p, *hf_reference.greedy(p, NEW_TOKENS)) for p in prompts(smollm_bf16_prefill.tokenizer)]
-    config = EngineConfig(max_total_tokens=16384, page_size=16, chunked_prefill_size=256)
+    # 6 running at a time: decode steps of 5 to 6 rows (bfloat16 against the blocks) and fewer (exact)
+    config = EngineConfig(max_total_tokens=16384, page_size=16, chunked_prefill_size=256, max_running_requests=6)
     with Engine(config, model=smollm_bf16_prefill) as engine:
         results = [s.result() for s in [engine.submit(p, GREEDY) for p, _, _ in workload]]
         assert_engine_clean(engine)

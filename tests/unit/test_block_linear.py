@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from tandem.common.cpu import cpu_flags
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, block_gemm
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, bfloat16_blocks_unavailable, block_gemm,
+                                         block_gemm_bf16)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.linear import Linear
+from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.loader import ModelSource, _unpermute, load_block_weights
 
@@ -74,6 +75,32 @@ def test_linear_ignores_blocks_for_weights_that_are_not_float32():
     assert linear.blocks is None
 
 
+HAS_BF16 = "avx512_bf16" in cpu_flags()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 11])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_block_gemm_bf16_matches_float64_products_of_the_rounded_operands(rows, kind):
+    """Each weight rebuilt, then rounded to bfloat16 as torch rounds (nearest even), x likewise, and
+    the products summed in float32: equal to float64 sums of the rounded operands to float32's
+    accuracy, and nowhere near that close to the unrounded product (so the rounding happened)."""
+    blocks = random_blocks(1000, 576, kind, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(8))
+    if not HAS_BF16:  # the library is built everywhere; the operator refuses a CPU it cannot run on
+        assert bfloat16_blocks_unavailable() == "this CPU lacks AVX512-BF16"
+        with pytest.raises(RuntimeError, match="block_gemm_bf16 needs a CPU with AVX512-BF16"):
+            block_gemm_bf16(x, blocks)
+        return
+    assert bfloat16_blocks_unavailable() is None
+    y = block_gemm_bf16(x, blocks)
+    assert y.shape == (rows, 1000) and y.dtype == torch.float32
+    rounded = x.bfloat16().double() @ blocks.dequantize().bfloat16().double().t()
+    torch.testing.assert_close(y.double(), rounded, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ blocks.dequantize().double().t()
+    assert float((y.double() - exact).abs().max()) > 1e-3
+    torch.testing.assert_close(block_gemm_bf16(x.t().contiguous().t(), blocks), y, rtol=0, atol=0)
+
+
 def test_block_gemm_rejects_shapes_it_cannot_take():
     blocks = random_blocks(64, 64, "q8_0", seed=3)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -133,13 +160,21 @@ def test_the_kernels_run_on_torchs_thread_pool():
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, BFLOAT16_MIN_ROWS - 1, BFLOAT16_MIN_ROWS, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 40])
 def test_with_blocks_and_a_bfloat16_copy_no_float32_copy_is_kept(rows):
+    """Asked for bfloat16 products: exact float32 blocks for few rows, bfloat16 against the blocks
+    from BFLOAT16_MIN_ROWS (where the CPU has AVX512-BF16), against the bfloat16 copy above."""
     blocks = random_blocks(256, 128, "q4_1", seed=rows)
     w = blocks.dequantize()
     linear = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
-    assert linear.weight is None and linear.describe().startswith("int8 blocks up to 8 rows, ")
+    assert linear.weight is None and linear.bfloat16_blocks == HAS_BF16
+    assert linear.describe().startswith(f"int8 blocks up to {BFLOAT16_MIN_ROWS - 1 if HAS_BF16 else 8} rows, ")
     x = torch.randn(rows, 128)
-    want = block_gemm(x, blocks) if rows <= BLOCK_MAX_ROWS else Linear(w.bfloat16())(x.bfloat16()).float()
+    if rows > BLOCK_MAX_ROWS:
+        want = Linear(w.bfloat16())(x.bfloat16()).float()
+    elif HAS_BF16 and rows >= BFLOAT16_MIN_ROWS:
+        want = block_gemm_bf16(x, blocks)
+    else:
+        want = block_gemm(x, blocks)
     torch.testing.assert_close(linear(x), want, rtol=0, atol=0)
     assert linear.streamed_bytes(rows) == (blocks.q.numel() + 8 * blocks.scale.numel() if rows <= 8 else 2 * w.numel())
