@@ -146,6 +146,12 @@ def cmd_bench_linear(args) -> int:
     return run(args)
 
 
+def cmd_bench_step(args) -> int:
+    from tandem.tools.bench_step import run
+
+    return run(args)
+
+
 def cmd_bench_peers(args) -> int:
     from tandem.tools.bench_peers import run
 
@@ -267,6 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     blin.add_argument("--whole-model", action="store_true", help="one pass over all of the model's projections "
                       "per batch size, as a step streams them, in each form a float32 model on a CPU can use")
     blin.set_defaults(func=cmd_bench_linear)
+
+    bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size, the layers' small steps "
+                                 "as tandem's native calls vs torch ops, alternated in one run")
+    bstep.add_argument("--model", default=EngineConfig.model)
+    bstep.add_argument("--dtype", default="auto", help="weights' dtype (as --dtype); the native ops need float32 math")
+    bstep.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="sequences decoding in the step")
+    bstep.add_argument("--context", type=int, default=350, help="tokens already in each sequence's KV")
+    bstep.add_argument("--steps", type=int, default=30, help="timed steps per form and batch size")
+    bstep.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size in tokens (the pages are scattered)")
+    bstep.set_defaults(func=cmd_bench_step)
 
     bpeers = bench_sub.add_parser("peers", help="tandem (colocated and 1 prefill + 1 decode) against vLLM's CPU build "
                                   "on this machine, the serve workload, one server at a time, in one run")

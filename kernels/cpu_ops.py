@@ -2,8 +2,9 @@
 builder on first use and cached under $TORCH_EXTENSIONS_DIR (about a minute with two cores; the
 set-up script builds it ahead). They register as `torch.ops.tandem.*`:
 
-- `block_gemm`: projections over GGUF-style int8 blocks (block_linear.py);
+- `block_gemm`, `block_gemm_bf16`: projections over GGUF-style int8 blocks (block_linear.py);
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py);
+- `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`: a layer's steps between projections (layer_ops.py);
 - `parallel_threads`: how many threads a parallel region runs on (a check for the tests).
 
 They split their work with at::parallel_for, which is compiled into the library from ATen's
@@ -11,7 +12,9 @@ headers: built without OpenMP it runs serially and says nothing (a two-core deco
 projections on one core until that was seen), so the library is built with -fopenmp and binds
 to the OpenMP runtime torch has already loaded, sharing its thread pool and torch.set_num_threads.
 
-The first two are float32 and written for AVX2 + FMA. Where they cannot run (another CPU, no
+They are written for AVX2 + FMA (block_gemm_bf16's functions for AVX512-BF16, checked when it
+runs), and built with -ffp-contract=off: the compiler never fuses a multiply and an add the source
+keeps apart, so element-wise steps round as torch's do. Where they cannot run (another CPU, no
 compiler, `TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch
 paths.
 """
@@ -50,7 +53,7 @@ def _load() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load("tandem_cpu_ops", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        load("tandem_cpu_ops", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
              extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja: serve with the torch paths
         log.warning("tandem's CPU kernels are unavailable, using torch's: %s", e)

@@ -4,7 +4,9 @@ Numerics follow HF transformers' reference implementation (RMSNorm in float32, h
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
 (q|k|v, gate|up) to halve the number of GEMM calls; `tandem.kernels.linear.Linear` holds each
 weight in the form the device multiplies fastest, including the GGUF file's own blocks where the
-weights stay float32.
+weights stay float32. The steps between projections (norms with their residual adds, rotary
+embedding, SiLU) are `tandem.kernels.layer_ops`, one native call each on CPUs that run tandem's
+kernels.
 """
 
 from __future__ import annotations
@@ -17,14 +19,9 @@ from torch import nn
 
 from tandem.kernels.attention import AttentionBackend
 from tandem.kernels.block_linear import BlockWeights
+from tandem.kernels.layer_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Tensor:
@@ -44,13 +41,6 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
     return inv_freq
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class DecoderLayer(nn.Module):
@@ -77,17 +67,22 @@ class DecoderLayer(nn.Module):
         self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the residual stream; delta: the previous layer's output, not yet added to it (None
+        before the first layer). Returns the same pair after this layer (the add is fused with the
+        next RMSNorm)."""
         c = self.config
-        x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+        if delta is None:
+            x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+        else:
+            h, x = add_rms_norm(h, delta, self.input_norm, c.rms_norm_eps)
         q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
-        h = h + self.o(o.reshape(-1, c.q_size))
-        x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        h, x = add_rms_norm(h, self.o(o.reshape(-1, c.q_size)), self.post_norm, c.rms_norm_eps)
+        return h, self.down(silu_mul(self.gate_up(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -129,9 +124,10 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+            h, delta = layer(h, delta, cos, sin, attn)
+        return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""`tandem bench step` runs end to end on the built-in model (tiny sizes) and reports both forms."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
+from tandem.tools.bench_step import PAGE_SIZE, decode_batch
+
+
+def test_decode_batch_puts_each_sequence_on_its_own_pages():
+    batch = decode_batch(rows=3, context=40, num_pages=64, rng=random.Random(1))
+    pages = [p for table in batch.page_tables for p in table]
+    assert len(pages) == len(set(pages)) == 3 * 3  # 41 tokens on pages of 16
+    assert batch.kv_lens == [41] * 3 and batch.q_lens == [1] * 3
+    assert batch.out_slots.tolist() == [t[2] * PAGE_SIZE + 8 for t in batch.page_tables]  # position 40
+
+
+def test_bench_step_reports_native_and_torch_steps():
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--rows", "2", "--context", "20",
+                           "--steps", "1", "--kv-tokens", "1024"], capture_output=True, text=True, timeout=300)
+    if (why := cpu_ops_unavailable()) is not None:
+        assert proc.returncode != 0 and why in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["rows"] == 2 and line["native_ms"] > 0 and line["torch_ms"] > 0
+    assert line["native_vs_torch"] == pytest.approx(line["native_ms"] / line["torch_ms"], rel=0.02)

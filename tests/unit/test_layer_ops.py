@@ -1,0 +1,113 @@
+"""tandem.kernels.layer_ops: the native calls (csrc/layer_ops.cpp) against the torch code they
+replace, which is HF's numerics. Rotary embedding, SiLU products and residual adds must be equal
+bit for bit; RMSNorm sums its squares in another order, so it may differ in the last bits only.
+Shapes are the built-in model's (hidden 576, 9 and 3 heads of 64, MLP 1536) at 1, 8 and 300 rows,
+on the strided views the model passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.common.cpu import cpu_flags
+from tandem.kernels import layer_ops
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 576, 9, 3, 64, 1536
+NATIVE = cpu_ops_unavailable() is None
+
+
+def torch_rms_norm(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def torch_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rope_tables(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (100000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def assert_kernels_absent_for_a_reason() -> None:
+    """They are missing only where the CPU lacks AVX2 or FMA or they were switched off (a build
+    failure on an AVX2 CPU fails here)."""
+    why = cpu_ops_unavailable()
+    has_flags = all(f in cpu_flags() for f in ("avx2", "fma"))
+    assert why == "TANDEM_CPU_KERNELS=0" or (not has_flags and why.startswith("this CPU lacks")), why
+
+
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def native(request, monkeypatch):
+    """Both paths; where tandem's kernels cannot run, the native case checks why and runs torch's."""
+    if request.param and not NATIVE:
+        assert_kernels_absent_for_a_reason()
+    monkeypatch.setattr(layer_ops, "_kernels_ready", [request.param and NATIVE])
+    return request.param and NATIVE
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_rope_and_silu_products_are_torch_bit_for_bit(rows, native):
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM) * 3
+    q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    cos, sin = rope_tables(torch.arange(rows) * 7 + 3)
+    want_q = torch_rope(q.view(rows, HEADS, HEAD_DIM), cos, sin)
+    want_k = torch_rope(k.view(rows, KV_HEADS, HEAD_DIM), cos, sin)
+    got_q = layer_ops.apply_rope(q.view(rows, HEADS, HEAD_DIM), cos, sin)
+    got_k = layer_ops.apply_rope(k.view(rows, KV_HEADS, HEAD_DIM), cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    if native:  # rotated where they lie, in the projection's output
+        assert got_q.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, : HEADS * HEAD_DIM], want_q.flatten(1))
+
+    gate_up = torch.randn(rows, 2 * MLP) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(layer_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_rms_norm_and_the_residual_add_against_torch(rows, native):
+    torch.manual_seed(rows)
+    h, delta = torch.randn(rows, HIDDEN) * 3, torch.randn(rows, HIDDEN)
+    weight = torch.randn(HIDDEN)
+    close = dict(rtol=1e-6, atol=1e-6)  # a few ulp: only the order of the sum of squares differs
+    torch.testing.assert_close(layer_ops.rms_norm(h, weight, 1e-5), torch_rms_norm(h, weight, 1e-5), **close)
+    want_h = h + delta
+    new_h, x = layer_ops.add_rms_norm(h.clone(), delta, weight, 1e-5)
+    assert torch.equal(new_h, want_h)
+    torch.testing.assert_close(x, torch_rms_norm(want_h, weight, 1e-5), **close)
+
+
+def test_other_dtypes_and_shapes_keep_the_torch_code(monkeypatch):
+    """bfloat16 math, and head dims the native rope does not take, go through torch unchanged."""
+    monkeypatch.setattr(layer_ops, "_kernels_ready", [NATIVE])
+    torch.manual_seed(0)
+    h = torch.randn(4, HIDDEN).bfloat16()
+    weight = torch.randn(HIDDEN).bfloat16()
+    assert torch.equal(layer_ops.rms_norm(h, weight, 1e-5), torch_rms_norm(h, weight, 1e-5))
+    x = torch.randn(4, 2, 24)  # head_dim 24: halves of 12, not whole vectors
+    cos, sin = torch.randn(4, 1, 24), torch.randn(4, 1, 24)
+    assert torch.equal(layer_ops.apply_rope(x, cos, sin), torch_rope(x, cos, sin))
+
+
+def test_native_ops_name_what_is_wrong():
+    if not NATIVE:
+        return assert_kernels_absent_for_a_reason()
+    with pytest.raises(RuntimeError, match=r"rms_norm needs rows of a multiple of 8, got 12"):
+        torch.ops.tandem.rms_norm(torch.zeros(2, 12), torch.zeros(12), 1e-5)
+    with pytest.raises(RuntimeError, match=r"weight must be float32 \[16\]"):
+        torch.ops.tandem.rms_norm(torch.zeros(2, 16), torch.zeros(8), 1e-5)
+    with pytest.raises(RuntimeError, match=r"h and delta must have the same shape"):
+        torch.ops.tandem.add_rms_norm_(torch.zeros(2, 16), torch.zeros(3, 16), torch.zeros(16), 1e-5)
+    with pytest.raises(RuntimeError, match=r"rope_ needs a head_dim that is a multiple of 16, got 24"):
+        torch.ops.tandem.rope_(torch.zeros(2, 1, 24), torch.zeros(2, 24), torch.zeros(2, 24))
+    with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 with tokens \* head_dim = 32"):
+        torch.ops.tandem.rope_(torch.zeros(2, 1, 16), torch.zeros(2, 8), torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match=r"gate_up must have 2F columns, F a multiple of 8, got 20"):
+        torch.ops.tandem.silu_mul(torch.zeros(2, 20))

@@ -1,0 +1,73 @@
+"""`tandem bench step`: one decode step of the real model (forward pass and logits), per batch size,
+with the layers' small steps as tandem's native calls (`tandem.kernels.layer_ops`) and as the
+torch ops they replace, alternated within one run so both see the same machine.
+
+The batch is `rows` sequences of `--context` tokens each on scattered pages of a KV cache as large
+as a serving engine's, so the weights and the KV stream from memory as they do in a server. Prints
+one JSON line per batch size: median milliseconds per step of each form and their ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from tandem.kernels import layer_ops
+from tandem.kernels.attention import AttentionBatch
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
+from tandem.kernels.kv_cache import PagedKVCache, flat_slots
+from tandem.kernels.torch_attention import TorchAttention
+
+PAGE_SIZE = 16
+
+
+def decode_batch(rows: int, context: int, num_pages: int, rng: random.Random) -> AttentionBatch:
+    """`rows` sequences of `context` cached tokens, each decoding one more, on random pages."""
+    per_seq = -(-(context + 1) // PAGE_SIZE)
+    pages = rng.sample(range(num_pages), rows * per_seq)
+    tables = [pages[i * per_seq : (i + 1) * per_seq] for i in range(rows)]
+    slots = [s for t in tables for s in flat_slots(t, context, context + 1, PAGE_SIZE)]
+    return AttentionBatch(q_lens=[1] * rows, kv_lens=[context + 1] * rows, page_tables=tables, num_extends=0,
+                          out_slots=torch.tensor(slots))
+
+
+def run(args) -> int:
+    from tandem.server.model import load_model
+
+    if (why := cpu_ops_unavailable()) is not None:
+        raise SystemExit(f"bench step compares tandem's native layer ops, which cannot run here: {why}")
+    loaded = load_model(args.model, args.dtype, "cpu")
+    model, c = loaded.module, loaded.config
+    if loaded.compute_dtype != torch.float32:
+        raise SystemExit(f"the native layer ops are float32; this model computes in {loaded.compute_dtype}")
+    cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
+                         torch.float32, torch.device("cpu"))
+    cache.buffer.normal_()
+    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
+    rng = random.Random(0)
+    forms = {"native": True, "torch": False}
+    for rows in args.rows:
+        batch = decode_batch(rows, args.context, cache.num_pages, rng)
+        ids = torch.tensor([rng.randrange(c.vocab_size) for _ in range(rows)])
+        positions = torch.full((rows,), args.context)
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for i in range(args.steps + 2):
+            for name, native in forms.items():
+                layer_ops._kernels_ready[:] = [native]
+                start = time.perf_counter()
+                attn.prepare(batch)
+                model.logits(model(ids, positions, attn))
+                if i >= 2:  # the first two are warm-up
+                    times[name].append(time.perf_counter() - start)
+        layer_ops._kernels_ready[:] = [True]
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(json.dumps({
+            "bench": "step", "model": args.model, "rows": rows, "context": args.context, "steps": args.steps,
+            "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
+            "native_vs_torch": round(ms["native"] / ms["torch"], 3),
+        }), flush=True)
+    return 0
