@@ -274,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "per batch size, as a step streams them, in each form a float32 model on a CPU can use")
     blin.set_defaults(func=cmd_bench_linear)
 
-    bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size, the layers' small steps "
-                                 "as tandem's native calls vs torch ops, alternated in one run")
+    bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size in two forms, alternated "
+                                 "in one run: native layer ops vs torch's, or the KV cache on huge vs 4 KiB pages")
+    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages"], default="layer-ops")
     bstep.add_argument("--model", default=EngineConfig.model)
     bstep.add_argument("--dtype", default="auto", help="weights' dtype (as --dtype); the native ops need float32 math")
     bstep.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="sequences decoding in the step")

@@ -2,11 +2,34 @@
 head_dim] (FlashInfer's NHD paged layout). Page ids come from the scheduler's PageAllocator.
 
 All of them are views into one contiguous buffer [num_layers, 2, num_pages, page_size,
-num_kv_heads, head_dim], so a KV transfer registers a single memory region."""
+num_kv_heads, head_dim], so a KV transfer registers a single memory region. On a CPU that buffer
+asks Linux for transparent huge pages: a decode step reads each sequence's pages wherever the
+allocator put them, and over gigabytes of 4 KiB pages most of those reads also miss the TLB
+(`tandem bench step --compare kv-pages`)."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back the 2 MiB-aligned part of `t`'s memory with transparent huge pages (which
+    it does where /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`). Pages
+    already touched stay as they are, so call it before writing. True if the kernel took the advice."""
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    first, end = -(-start // HUGE_PAGE) * HUGE_PAGE, (start + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_HUGEPAGE) == 0
 
 
 class PagedKVCache:
@@ -19,6 +42,7 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        huge_pages: bool = True,
     ):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -27,7 +51,9 @@ class PagedKVCache:
         # Zeroed, not empty: backends read whole pages, including the unwritten tail of a
         # sequence's last page. Masked scores drop those positions, but 0 * NaN is still NaN in
         # softmax(QK) @ V, so every slot must always hold a finite value.
-        self.buffer = torch.zeros((num_layers, 2, *shape), dtype=dtype, device=self.device)
+        self.buffer = torch.empty((num_layers, 2, *shape), dtype=dtype, device=self.device)
+        self.huge_pages = huge_pages and advise_huge_pages(self.buffer)
+        self.buffer.zero_()
         self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
         self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
 

@@ -1,10 +1,14 @@
 """`tandem bench step`: one decode step of the real model (forward pass and logits), per batch size,
-with the layers' small steps as tandem's native calls (`tandem.kernels.layer_ops`) and as the
-torch ops they replace, alternated within one run so both see the same machine.
+in two forms alternated within one run so both see the same machine:
+
+- `--compare layer-ops` (default): the layers' small steps as tandem's native calls
+  (`tandem.kernels.layer_ops`) against the torch ops they replace;
+- `--compare kv-pages`: the KV cache on transparent huge pages against 4 KiB pages (two caches).
 
 The batch is `rows` sequences of `--context` tokens each on scattered pages of a KV cache as large
 as a serving engine's, so the weights and the KV stream from memory as they do in a server. Prints
-one JSON line per batch size: median milliseconds per step of each form and their ratio.
+one JSON line per batch size: median milliseconds per step of each form and the first's over the
+second's.
 """
 
 from __future__ import annotations
@@ -44,19 +48,29 @@ def run(args) -> int:
     model, c = loaded.module, loaded.config
     if loaded.compute_dtype != torch.float32:
         raise SystemExit(f"the native layer ops are float32; this model computes in {loaded.compute_dtype}")
-    cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
-                         torch.float32, torch.device("cpu"))
-    cache.buffer.normal_()
-    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
+    def backend(huge_pages: bool) -> TorchAttention:
+        cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
+                             torch.float32, torch.device("cpu"), huge_pages=huge_pages)
+        cache.buffer.normal_()
+        return TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
+
+    if args.compare == "kv-pages":
+        huge, small = backend(True), backend(False)
+        if not huge.kv_cache.huge_pages:
+            raise SystemExit("Linux refused the huge-page advice here (a kernel without transparent huge pages?)")
+        forms = {"huge_pages": (huge, True), "4k_pages": (small, True)}
+    else:
+        attn = backend(True)
+        forms = {"native": (attn, True), "torch": (attn, False)}
     rng = random.Random(0)
-    forms = {"native": True, "torch": False}
+    num_pages = args.kv_tokens // PAGE_SIZE
     for rows in args.rows:
-        batch = decode_batch(rows, args.context, cache.num_pages, rng)
+        batch = decode_batch(rows, args.context, num_pages, rng)
         ids = torch.tensor([rng.randrange(c.vocab_size) for _ in range(rows)])
         positions = torch.full((rows,), args.context)
         times: dict[str, list[float]] = {name: [] for name in forms}
         for i in range(args.steps + 2):
-            for name, native in forms.items():
+            for name, (attn, native) in forms.items():
                 layer_ops._kernels_ready[:] = [native]
                 start = time.perf_counter()
                 attn.prepare(batch)
@@ -65,9 +79,10 @@ def run(args) -> int:
                     times[name].append(time.perf_counter() - start)
         layer_ops._kernels_ready[:] = [True]
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        first, second = ms
         print(json.dumps({
-            "bench": "step", "model": args.model, "rows": rows, "context": args.context, "steps": args.steps,
-            "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
-            "native_vs_torch": round(ms["native"] / ms["torch"], 3),
+            "bench": "step", "compare": args.compare, "model": args.model, "rows": rows, "context": args.context,
+            "steps": args.steps, "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
+            f"{first}_vs_{second}": round(ms[first] / ms[second], 3),
         }), flush=True)
     return 0

@@ -5,6 +5,7 @@ read by float32 math; decodes both gathered and read in place (tandem's paged_de
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -91,6 +92,30 @@ def test_matches_dense_attention(page_size, cache_dtype, decodes):
 def test_fresh_cache_is_finite_everywhere():
     cache = PagedKVCache(2, 8, 4, KVH, D, torch.bfloat16, torch.device("cpu"))
     assert all(torch.isfinite(t).all() for t in cache.k + cache.v)
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_a_cpu_cache_asks_linux_for_huge_pages(huge_pages):
+    """32 MiB of pages: advised as huge pages (VmFlags `hg`) before it is zeroed, unless told not to."""
+    cache = PagedKVCache(2, 1024, 16, 4, 32, torch.float32, torch.device("cpu"), huge_pages=huge_pages)
+    assert cache.huge_pages == huge_pages
+    middle = cache.buffer.data_ptr() + cache.buffer.numel() * cache.buffer.element_size() // 2
+    assert ("hg" in vm_flags(middle)) == huge_pages
+    assert not cache.buffer.any()
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128)])
