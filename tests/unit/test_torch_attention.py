@@ -110,8 +110,9 @@ def vm_flags(address: int) -> list[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 @pytest.mark.parametrize("huge_pages", [True, False])
 def test_a_cpu_cache_asks_linux_for_huge_pages(huge_pages):
-    """32 MiB of pages: advised as huge pages (VmFlags `hg`) before it is zeroed, unless told not to."""
-    cache = PagedKVCache(2, 1024, 16, 4, 32, torch.float32, torch.device("cpu"), huge_pages=huge_pages)
+    """64 MiB of pages (above glibc's largest mmap threshold, so a mapping of its own): advised as
+    huge pages (VmFlags `hg`) before it is zeroed, unless told not to."""
+    cache = PagedKVCache(2, 2048, 16, 4, 32, torch.float32, torch.device("cpu"), huge_pages=huge_pages)
     assert cache.huge_pages == huge_pages
     middle = cache.buffer.data_ptr() + cache.buffer.numel() * cache.buffer.element_size() // 2
     assert ("hg" in vm_flags(middle)) == huge_pages
