@@ -3,7 +3,8 @@ in two forms alternated within one run so both see the same machine:
 
 - `--compare layer-ops` (default): the layers' small steps as tandem's native calls
   (`tandem.kernels.layer_ops`) against the torch ops they replace;
-- `--compare kv-pages`: the KV cache on transparent huge pages against 4 KiB pages (two caches).
+- `--compare kv-pages`: the KV cache on transparent huge pages against 4 KiB pages (two caches;
+  where /sys/kernel/mm/transparent_hugepage/enabled is `always`, both get huge pages).
 
 The batch is `rows` sequences of `--context` tokens each on scattered pages of a KV cache as large
 as a serving engine's, so the weights and the KV stream from memory as they do in a server. Prints
@@ -42,12 +43,14 @@ def decode_batch(rows: int, context: int, num_pages: int, rng: random.Random) ->
 def run(args) -> int:
     from tandem.server.model import load_model
 
-    if (why := cpu_ops_unavailable()) is not None:
-        raise SystemExit(f"bench step compares tandem's native layer ops, which cannot run here: {why}")
+    native = cpu_ops_unavailable() is None
+    if args.compare == "layer-ops" and not native:
+        raise SystemExit(f"bench step compares tandem's native layer ops, which cannot run here: {cpu_ops_unavailable()}")
     loaded = load_model(args.model, args.dtype, "cpu")
     model, c = loaded.module, loaded.config
-    if loaded.compute_dtype != torch.float32:
+    if args.compare == "layer-ops" and loaded.compute_dtype != torch.float32:
         raise SystemExit(f"the native layer ops are float32; this model computes in {loaded.compute_dtype}")
+
     def backend(huge_pages: bool) -> TorchAttention:
         cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
                              torch.float32, torch.device("cpu"), huge_pages=huge_pages)
@@ -58,7 +61,7 @@ def run(args) -> int:
         huge, small = backend(True), backend(False)
         if not huge.kv_cache.huge_pages:
             raise SystemExit("Linux refused the huge-page advice here (a kernel without transparent huge pages?)")
-        forms = {"huge_pages": (huge, True), "4k_pages": (small, True)}
+        forms = {"huge_pages": (huge, native), "4k_pages": (small, native)}
     else:
         attn = backend(True)
         forms = {"native": (attn, True), "torch": (attn, False)}
