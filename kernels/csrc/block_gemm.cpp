@@ -5,16 +5,17 @@
 // and multiplied in float32. Built for AVX2 + FMA; the Python side uses it only on CPUs with both.
 // Registered as the operator torch.ops.tandem.block_gemm (no Python headers needed to build it).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
 
+#include "block_weights.h"
+
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxTile = 8;  // rows of x per pass over the weight: 8 accumulators + 4 weight registers
+using tandem_blocks::kBlock;
+using tandem_blocks::kMaxTile;  // 8 accumulators + 4 weight registers
 
 inline __m256 load_q8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -67,32 +68,9 @@ constexpr TileFn kTiles[kMaxTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, til
 }  // namespace
 
 at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset) {
+  tandem_blocks::check(x_in, q, scale, offset);
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.size(1) == K && K % kBlock == 0, "q must be [N, K] with K = x.size(1), a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
-              scale.is_contiguous() && offset.is_contiguous() && scale.numel() == N * (K / kBlock) &&
-              offset.numel() == N * (K / kBlock), "scale and offset must be contiguous float32 [N, K / 32]");
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Threads split the weight's rows; each streams its rows once per tile of up to 8 rows of x,
-  // in chunks small enough to stay in cache between tiles.
-  constexpr int64_t kChunk = 64;
-  at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
-      const int64_t n1 = std::min(end, n0 + kChunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        const int64_t mt = std::min(kMaxTile, M - m0);
-        kTiles[mt](xp + m0 * K, K, qp, sp, op, yp + m0 * N, N, n0, n1);
-      }
-    }
-  });
-  return y;
+  return tandem_blocks::multiply(x, x.data_ptr<float>(), q, scale, offset, kTiles);
 }
 
 TORCH_LIBRARY(tandem, m) {

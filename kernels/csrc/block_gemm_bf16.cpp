@@ -10,18 +10,19 @@
 // library builds anywhere; the operator refuses to run on a CPU without AVX512-BF16.
 // Registered as torch.ops.tandem.block_gemm_bf16.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
 
+#include "block_weights.h"
+
 #define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxTile = 8;  // rows of x per pass over the weight
+using tandem_blocks::kBlock;
+using tandem_blocks::kMaxTile;
 constexpr int64_t kGroup = 8;    // weight rows whose sums are reduced together
 
 // Lane sums of eight vectors, as one vector: [sum(f[0]), ..., sum(f[7])].
@@ -81,30 +82,10 @@ constexpr TileFn kTiles[kMaxTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, til
 at::Tensor block_gemm_bf16(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                            const at::Tensor& offset) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "block_gemm_bf16 needs a CPU with AVX512-BF16");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = q.size(0);
-  TORCH_CHECK(q.size(1) == K && K % kBlock == 0, "q must be [N, K] with K = x.size(1), a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
-              scale.is_contiguous() && offset.is_contiguous() && scale.numel() == N * (K / kBlock) &&
-              offset.numel() == N * (K / kBlock), "scale and offset must be contiguous float32 [N, K / 32]");
+  tandem_blocks::check(x_in, q, scale, offset);
   const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
-  auto y = at::empty({M, N}, x_in.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  constexpr int64_t kChunk = 64;  // weight rows per task: a multiple of kGroup
-  at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
-      const int64_t n1 = std::min(end, n0 + kChunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        const int64_t mt = std::min(kMaxTile, M - m0);
-        kTiles[mt](xp + m0 * K, K, qp, sp, op, yp + m0 * N, N, n0, n1);
-      }
-    }
-  });
-  return y;
+  return tandem_blocks::multiply(x, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), q, scale, offset,
+                                 kTiles);
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {

@@ -1,0 +1,56 @@
+// What block_gemm.cpp and block_gemm_bf16.cpp share: the layout of a weight held as 32-wide int8
+// blocks (q [N, K] int8, scale and offset [N, K / 32] float32), its checks, and the loop that splits
+// the weight's rows between threads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace tandem_blocks {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxTile = 8;  // rows of x per pass over the weight
+
+// x [M, K] float32 against the blocks of an [N, K] weight: what each kernel checks before it runs.
+inline void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
+  const int64_t K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K && K % kBlock == 0, "q must be [N, K] with K = x.size(1), a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
+              scale.is_contiguous() && offset.is_contiguous() && scale.numel() == N * (K / kBlock) &&
+              offset.numel() == N * (K / kBlock), "scale and offset must be contiguous float32 [N, K / 32]");
+}
+
+// Threads split the weight's N rows; each streams its rows once per tile of up to kMaxTile rows of
+// x, in chunks small enough to stay in cache between tiles: tile(m0, rows, n0, n1).
+template <typename Tile>
+void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
+  constexpr int64_t kChunk = 64;  // weight rows per task
+  at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
+      const int64_t n1 = std::min(end, n0 + kChunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) tile(m0, std::min(kMaxTile, M - m0), n0, n1);
+    }
+  });
+}
+
+// y [M, N] float32 = x @ W.T, with x [M, K] already in the element type the tiles read (T) and
+// contiguous; tiles[r] multiplies r rows of x against weight rows [n0, n1).
+template <typename T, typename TileFn>
+at::Tensor multiply(const at::Tensor& x, const T* xp, const at::Tensor& q, const at::Tensor& scale,
+                    const at::Tensor& offset, const TileFn* tiles) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_each_tile(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+    tiles[rows](xp + m0 * K, K, qp, sp, op, yp + m0 * N, N, n0, n1);
+  });
+  return y;
+}
+
+}  // namespace tandem_blocks
