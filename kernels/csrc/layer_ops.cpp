@@ -4,14 +4,15 @@
 //
 // Each computes what the torch code it replaces computes (tandem/kernels/layer_ops.py), rounding
 // for rounding: separate multiplies and adds (the library is built with -ffp-contract=off, so the
-// compiler never fuses them into FMAs), 1 / sqrt for rsqrt, and SLEEF's exp, which torch's own vectorized silu calls. The one
-// difference is the order in which RMSNorm sums its squares.
+// compiler never fuses them into FMAs), 1 / sqrt for rsqrt, and SLEEF's exp, which torch's own
+// vectorized silu calls. The one difference is the order in which RMSNorm sums its squares.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <sleef.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
