@@ -25,6 +25,15 @@ void check_rows(const at::Tensor& x, const char* name) {
               " must be float32 [rows, n] with contiguous rows");
 }
 
+// The rows a norm reads and its weight: float32, rows of n, a multiple of 8, and weight [n].
+void check_norm(const at::Tensor& x, const char* name, const at::Tensor& weight, const char* op) {
+  check_rows(x, name);
+  const int64_t n = x.size(1);
+  TORCH_CHECK(n % 8 == 0, op, " needs rows of a multiple of 8, got ", n);
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "weight must be float32 [", n, "]");
+}
+
 // out = weight * (x * (1 / sqrt(mean(x^2) + eps))) for one row of n (a multiple of 8).
 void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -52,11 +61,8 @@ void norm_row(const float* x, const float* weight, float eps, int64_t n, float* 
 
 // RMSNorm of each row of x [rows, n] (HF's LlamaRMSNorm in float32).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
+  check_norm(x, "x", weight, "rms_norm");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(n % 8 == 0, "rms_norm needs rows of a multiple of 8, got ", n);
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "weight must be float32 [", n, "]");
   auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -70,14 +76,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // h += delta (the residual stream), then RMSNorm of the new h.
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, double eps) {
-  check_rows(h, "h");
+  check_norm(h, "h", weight, "add_rms_norm_");
   check_rows(delta, "delta");
   TORCH_CHECK(h.sizes() == delta.sizes(), "h and delta must have the same shape, got ", h.sizes(), " and ",
               delta.sizes());
   const int64_t rows = h.size(0), n = h.size(1);
-  TORCH_CHECK(n % 8 == 0, "add_rms_norm_ needs rows of a multiple of 8, got ", n);
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "weight must be float32 [", n, "]");
   auto out = at::empty({rows, n}, h.options());
   float* hp = h.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
