@@ -2,10 +2,10 @@
 it), rotary embedding and SiLU-gated products.
 
 The torch versions below are the reference (HF transformers' numerics). On a CPU that runs
-tandem's kernels, float32 tensors take `csrc/layer_ops.cpp` instead: one call where torch takes
-five to eight ops, which is most of their cost at a decode step's few rows. Those calls round as
-the torch code does (rotary embedding and SiLU bit for bit); RMSNorm sums its squares in another
-order, so its output may differ in the last bit or two.
+tandem's kernels, float32 and bfloat16 tensors take `csrc/layer_ops.cpp` instead: one call where
+torch takes five to eight ops, which is most of their cost at a decode step's few rows. Those calls
+round as the torch code does (rotary embedding, SiLU products and residual adds bit for bit, in
+either dtype); RMSNorm sums its squares in another order, so its output may differ in the last bit.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ from tandem.kernels.cpu_ops import cpu_ops_unavailable
 _kernels_ready: list[bool] = []  # filled on first use: building them at import would slow every import
 
 
-def _native(x: torch.Tensor) -> bool:
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the native call takes x (and `others`, which must share its dtype)."""
+    if x.dtype not in _NATIVE_DTYPES or x.device.type != "cpu" or any(o.dtype != x.dtype for o in others):
         return False
     if not _kernels_ready:
         _kernels_ready.append(cpu_ops_unavailable() is None)
@@ -29,7 +33,7 @@ def _native(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, n]."""
-    if _native(x) and weight.dtype == torch.float32 and x.shape[-1] % 8 == 0:
+    if _native(x, weight) and x.shape[-1] % 8 == 0:
         return torch.ops.tandem.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -38,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rms_norm(h + delta)); h may be updated in place."""
-    if _native(h) and delta.dtype == torch.float32 and weight.dtype == torch.float32 and h.shape[-1] % 8 == 0:
+    if _native(h, delta, weight) and h.shape[-1] % 8 == 0:
         return h, torch.ops.tandem.add_rms_norm_(h, delta, weight, eps)
     h = h + delta
     return h, rms_norm(h, weight, eps)
@@ -46,7 +50,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D], may be rotated in place; cos, sin: [T, 1, D]."""
-    if _native(x) and x.stride(1) == x.shape[2] and x.stride(2) == 1 and x.shape[2] % 16 == 0 and cos.is_contiguous():
+    if _native(x, cos, sin) and x.stride(1) == x.shape[2] and x.stride(2) == 1 and x.shape[2] % 16 == 0 and cos.is_contiguous():
         torch.ops.tandem.rope_(x, cos, sin)
         return x
     half = x.shape[-1] // 2

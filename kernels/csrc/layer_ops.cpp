@@ -1,11 +1,14 @@
 // The small steps of a decoder layer between its projections, one call each where torch takes five
 // to eight ops: at a decode step's few rows, each torch op costs more to dispatch than to compute.
-// Float32, AVX2. Registered as torch.ops.tandem.{rms_norm, add_rms_norm_, rope_, silu_mul}.
+// Float32 or bfloat16 tensors, AVX2. Registered as torch.ops.tandem.{rms_norm, add_rms_norm_, rope_,
+// silu_mul}.
 //
 // Each computes what the torch code it replaces computes (tandem/kernels/layer_ops.py), rounding
 // for rounding: separate multiplies and adds (the library is built with -ffp-contract=off, so the
 // compiler never fuses them into FMAs), 1 / sqrt for rsqrt, and SLEEF's exp, which torch's own
-// vectorized silu calls. The one difference is the order in which RMSNorm sums its squares.
+// vectorized silu calls. On bfloat16 tensors torch does each op's math in float32 and rounds its
+// result to bfloat16; these kernels round (round8<T>) at the same points. The one difference is
+// the order in which RMSNorm sums its squares.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,36 +18,47 @@
 #include <algorithm>
 #include <cmath>
 
+#include "vec8.h"
+
 namespace {
+
+using tandem_vec8::load8;
+using tandem_vec8::round8;
+using tandem_vec8::store8;
 
 // Rows per task: enough work per thread to be worth waking it.
 int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
 
+bool supported(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
+
+const char* dtype_name(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 ? "bfloat16" : "float32"; }
+
 void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
-              " must be float32 [rows, n] with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && supported(x) && x.stride(1) == 1, name,
+              " must be float32 or bfloat16 [rows, n] with contiguous rows");
 }
 
-// The rows a norm reads and its weight: float32, rows of n, a multiple of 8, and weight [n].
+// The rows a norm reads and its weight: rows of n, a multiple of 8, and weight [n] of their dtype.
 void check_norm(const at::Tensor& x, const char* name, const at::Tensor& weight, const char* op) {
   check_rows(x, name);
   const int64_t n = x.size(1);
   TORCH_CHECK(n % 8 == 0, op, " needs rows of a multiple of 8, got ", n);
-  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "weight must be float32 [", n, "]");
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "weight must be ", dtype_name(x), " [", n, "]");
 }
 
 // out = weight * (x * (1 / sqrt(mean(x^2) + eps))) for one row of n (a multiple of 8).
-void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
+template <typename T>
+void norm_row(const T* x, const T* weight, float eps, int64_t n, T* out) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    const __m256 a = load8(x + i), b = load8(x + i + 8);
     acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(a, a));
     acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(b, b));
   }
   for (; i < n; i += 8) {
-    const __m256 a = _mm256_loadu_ps(x + i);
+    const __m256 a = load8(x + i);
     acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(a, a));
   }
   const __m256 acc = _mm256_add_ps(acc0, acc1);
@@ -54,23 +68,98 @@ void norm_row(const float* x, const float* weight, float eps, int64_t n, float* 
   const float variance = _mm_cvtss_f32(s) / static_cast<float>(n);
   const __m256 r = _mm256_set1_ps(1.f / std::sqrt(variance + eps));
   for (int64_t j = 0; j < n; j += 8)
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(weight + j), _mm256_mul_ps(_mm256_loadu_ps(x + j), r)));
+    store8(out + j, _mm256_mul_ps(load8(weight + j), round8<T>(_mm256_mul_ps(load8(x + j), r))));
+}
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * ld, wp, eps, n, op + t * n);
+  });
+}
+
+template <typename T>
+void add_rms_norm_rows(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, float eps, at::Tensor& out) {
+  const int64_t rows = h.size(0), n = h.size(1), hld = h.stride(0), dld = delta.stride(0);
+  T* hp = h.data_ptr<T>();
+  const T* dp = delta.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* ht = hp + t * hld;
+      const T* dt = dp + t * dld;
+      for (int64_t j = 0; j < n; j += 8) store8(ht + j, _mm256_add_ps(load8(ht + j), load8(dt + j)));
+      norm_row(ht, wp, eps, n, op + t * n);
+    }
+  });
+}
+
+template <typename T>
+void rope_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t T_ = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2, ld = x.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, T_, grain(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * D;
+      const T* s = sp + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = xp + t * ld + h * D;
+        for (int64_t j = 0; j < half; j += 8) {
+          const __m256 lo = load8(row + j), hi = load8(row + half + j);
+          // (-hi) * sin is the negation of hi * sin, and a + (-b) is a - b: torch's rounding exactly.
+          store8(row + j, _mm256_sub_ps(round8<T>(_mm256_mul_ps(lo, load8(c + j))),
+                                        round8<T>(_mm256_mul_ps(hi, load8(s + j)))));
+          store8(row + half + j, _mm256_add_ps(round8<T>(_mm256_mul_ps(hi, load8(c + half + j))),
+                                               round8<T>(_mm256_mul_ps(lo, load8(s + half + j)))));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), F = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  at::parallel_for(0, rows, grain(2 * F), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = gp + t * ld;
+      const T* u = g + F;
+      for (int64_t j = 0; j < F; j += 8) {
+        const __m256 x = load8(g + j);
+        const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(x, sign));
+        const __m256 silu = round8<T>(_mm256_div_ps(x, _mm256_add_ps(one, e)));
+        store8(op + t * F + j, _mm256_mul_ps(silu, load8(u + j)));
+      }
+    }
+  });
+}
+
+// Calls fn.template operator()<T>() with T the C++ type of `dtype` (float32 or bfloat16).
+template <typename Fn>
+void dispatch(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kBFloat16)
+    fn.template operator()<c10::BFloat16>();
+  else
+    fn.template operator()<float>();
 }
 
 }  // namespace
 
-// RMSNorm of each row of x [rows, n] (HF's LlamaRMSNorm in float32).
+// RMSNorm of each row of x [rows, n] (HF's LlamaRMSNorm).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, "x", weight, "rms_norm");
-  const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ld = x.stride(0);
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * ld, wp, static_cast<float>(eps), n, op + t * n);
-  });
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  dispatch(x.scalar_type(), [&]<typename T>() { rms_norm_rows<T>(x, weight, static_cast<float>(eps), out); });
   return out;
 }
 
@@ -78,58 +167,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, double eps) {
   check_norm(h, "h", weight, "add_rms_norm_");
   check_rows(delta, "delta");
-  TORCH_CHECK(h.sizes() == delta.sizes(), "h and delta must have the same shape, got ", h.sizes(), " and ",
-              delta.sizes());
-  const int64_t rows = h.size(0), n = h.size(1);
-  auto out = at::empty({rows, n}, h.options());
-  float* hp = h.data_ptr<float>();
-  const float* dp = delta.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t hld = h.stride(0), dld = delta.stride(0);
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* ht = hp + t * hld;
-      const float* dt = dp + t * dld;
-      for (int64_t j = 0; j < n; j += 8)
-        _mm256_storeu_ps(ht + j, _mm256_add_ps(_mm256_loadu_ps(ht + j), _mm256_loadu_ps(dt + j)));
-      norm_row(ht, wp, static_cast<float>(eps), n, op + t * n);
-    }
-  });
+  TORCH_CHECK(h.sizes() == delta.sizes() && h.scalar_type() == delta.scalar_type(),
+              "h and delta must have the same shape and dtype, got ", dtype_name(h), " ", h.sizes(), " and ",
+              dtype_name(delta), " ", delta.sizes());
+  auto out = at::empty({h.size(0), h.size(1)}, h.options());
+  dispatch(h.scalar_type(), [&]<typename T>() { add_rms_norm_rows<T>(h, delta, weight, static_cast<float>(eps), out); });
   return out;
 }
 
 // In place, x [T, heads, D] (heads D apart, rows any distance apart): x * cos + rotate_half(x) * sin,
 // where rotate_half(x) = [-x[D/2:], x[:D/2]]; cos, sin [T, D] (any shape of T * D, contiguous).
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "x must be float32 [tokens, heads, head_dim] with contiguous heads");
-  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(half % 8 == 0, "rope_ needs a head_dim that is a multiple of 16, got ", D);
+  TORCH_CHECK(x.dim() == 3 && supported(x) && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be float32 or bfloat16 [tokens, heads, head_dim] with contiguous heads");
+  const int64_t T = x.size(0), D = x.size(2);
+  TORCH_CHECK(D % 16 == 0, "rope_ needs a head_dim that is a multiple of 16, got ", D);
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "cos and sin must be contiguous float32 with tokens * head_dim = ", T * D, " values");
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t ld = x.stride(0);
-  at::parallel_for(0, T, grain(heads * D), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * D;
-      const float* s = sp + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* row = xp + t * ld + h * D;
-        for (int64_t j = 0; j < half; j += 8) {
-          const __m256 lo = _mm256_loadu_ps(row + j), hi = _mm256_loadu_ps(row + half + j);
-          // (-hi) * sin is the negation of hi * sin, and a + (-b) is a - b: torch's rounding exactly.
-          _mm256_storeu_ps(row + j, _mm256_sub_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(c + j)),
-                                                  _mm256_mul_ps(hi, _mm256_loadu_ps(s + j))));
-          _mm256_storeu_ps(row + half + j, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(c + half + j)),
-                                                         _mm256_mul_ps(lo, _mm256_loadu_ps(s + half + j))));
-        }
-      }
-    }
-  });
+              cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be contiguous ", dtype_name(x), " with tokens * head_dim = ", T * D, " values");
+  dispatch(x.scalar_type(), [&]<typename T_>() { rope_rows<T_>(x, cos, sin); });
 }
 
 // gate_up [rows, 2F] = [gate | up] -> silu(gate) * up, silu(g) = g / (1 + e^-g) as torch computes it.
@@ -139,21 +195,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) == 2 * F && F % 8 == 0, "gate_up must have 2F columns, F a multiple of 8, got ",
               gate_up.size(1));
   auto out = at::empty({rows, F}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ld = gate_up.stride(0);
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  at::parallel_for(0, rows, grain(2 * F), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * ld;
-      const float* u = g + F;
-      for (int64_t j = 0; j < F; j += 8) {
-        const __m256 x = _mm256_loadu_ps(g + j);
-        const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(x, sign));
-        _mm256_storeu_ps(op + t * F + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
-      }
-    }
-  });
+  dispatch(gate_up.scalar_type(), [&]<typename T>() { silu_mul_rows<T>(gate_up, out); });
   return out;
 }
 

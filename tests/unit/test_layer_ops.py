@@ -1,8 +1,9 @@
 """tandem.kernels.layer_ops: the native calls (csrc/layer_ops.cpp) against the torch code they
-replace, which is HF's numerics. Rotary embedding, SiLU products and residual adds must be equal
-bit for bit; RMSNorm sums its squares in another order, so it may differ in the last bits only.
-Shapes are the built-in model's (hidden 576, 9 and 3 heads of 64, MLP 1536) at 1, 8 and 300 rows,
-on the strided views the model passes."""
+replace, which is HF's numerics, in float32 and in bfloat16 (where torch rounds each op's result
+to bfloat16 and the native calls must round at the same points). Rotary embedding, SiLU products
+and residual adds must be equal bit for bit; RMSNorm sums its squares in another order, so it may
+differ in the last bit only. Shapes are the built-in model's (hidden 576, 9 and 3 heads of 64, MLP
+1536) at 1, 8 and 300 rows, on the strided views the model passes."""
 
 from __future__ import annotations
 
@@ -52,12 +53,16 @@ def native(request, monkeypatch):
     return request.param and NATIVE
 
 
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 8, 300])
-def test_rope_and_silu_products_are_torch_bit_for_bit(rows, native):
+def test_rope_and_silu_products_are_torch_bit_for_bit(rows, dtype, native):
     torch.manual_seed(rows)
-    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM) * 3
+    qkv = (torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM) * 3).to(dtype)
     q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    cos, sin = rope_tables(torch.arange(rows) * 7 + 3)
+    cos, sin = (t.to(dtype) for t in rope_tables(torch.arange(rows) * 7 + 3))
     want_q = torch_rope(q.view(rows, HEADS, HEAD_DIM), cos, sin)
     want_k = torch_rope(k.view(rows, KV_HEADS, HEAD_DIM), cos, sin)
     got_q = layer_ops.apply_rope(q.view(rows, HEADS, HEAD_DIM), cos, sin)
@@ -66,17 +71,20 @@ def test_rope_and_silu_products_are_torch_bit_for_bit(rows, native):
     if native:  # rotated where they lie, in the projection's output
         assert got_q.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, : HEADS * HEAD_DIM], want_q.flatten(1))
 
-    gate_up = torch.randn(rows, 2 * MLP) * 4
+    gate_up = (torch.randn(rows, 2 * MLP) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(layer_ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 8, 300])
-def test_rms_norm_and_the_residual_add_against_torch(rows, native):
+def test_rms_norm_and_the_residual_add_against_torch(rows, dtype, native):
     torch.manual_seed(rows)
-    h, delta = torch.randn(rows, HIDDEN) * 3, torch.randn(rows, HIDDEN)
-    weight = torch.randn(HIDDEN)
-    close = dict(rtol=1e-6, atol=1e-6)  # a few ulp: only the order of the sum of squares differs
+    h, delta = (torch.randn(rows, HIDDEN) * 3).to(dtype), torch.randn(rows, HIDDEN).to(dtype)
+    weight = torch.randn(HIDDEN).to(dtype)
+    # a few ulp of float32 (only the order of the sum of squares differs), which bfloat16's
+    # rounding of the normalized row may turn into one ulp of bfloat16 (2^-8 relative)
+    close = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-8, atol=0)
     torch.testing.assert_close(layer_ops.rms_norm(h, weight, 1e-5), torch_rms_norm(h, weight, 1e-5), **close)
     want_h = h + delta
     new_h, x = layer_ops.add_rms_norm(h.clone(), delta, weight, 1e-5)
@@ -85,11 +93,14 @@ def test_rms_norm_and_the_residual_add_against_torch(rows, native):
 
 
 def test_other_dtypes_and_shapes_keep_the_torch_code(monkeypatch):
-    """bfloat16 math, and head dims the native rope does not take, go through torch unchanged."""
+    """float16 math, mixed dtypes, and head dims the native rope does not take, go through torch
+    unchanged."""
     monkeypatch.setattr(layer_ops, "_kernels_ready", [NATIVE])
     torch.manual_seed(0)
-    h = torch.randn(4, HIDDEN).bfloat16()
-    weight = torch.randn(HIDDEN).bfloat16()
+    h = torch.randn(4, HIDDEN).half()
+    weight = torch.randn(HIDDEN).half()
+    assert torch.equal(layer_ops.rms_norm(h, weight, 1e-5), torch_rms_norm(h, weight, 1e-5))
+    h, weight = h.bfloat16(), weight.float()  # HF promotes: float32 weight times a bfloat16 row
     assert torch.equal(layer_ops.rms_norm(h, weight, 1e-5), torch_rms_norm(h, weight, 1e-5))
     x = torch.randn(4, 2, 24)  # head_dim 24: halves of 12, not whole vectors
     cos, sin = torch.randn(4, 1, 24), torch.randn(4, 1, 24)
@@ -103,8 +114,14 @@ def test_native_ops_name_what_is_wrong():
         torch.ops.tandem.rms_norm(torch.zeros(2, 12), torch.zeros(12), 1e-5)
     with pytest.raises(RuntimeError, match=r"weight must be float32 \[16\]"):
         torch.ops.tandem.rms_norm(torch.zeros(2, 16), torch.zeros(8), 1e-5)
+    with pytest.raises(RuntimeError, match=r"weight must be bfloat16 \[16\]"):
+        torch.ops.tandem.rms_norm(torch.zeros(2, 16).bfloat16(), torch.zeros(16), 1e-5)
+    with pytest.raises(RuntimeError, match=r"x must be float32 or bfloat16 \[rows, n\]"):
+        torch.ops.tandem.rms_norm(torch.zeros(2, 16).half(), torch.zeros(16).half(), 1e-5)
     with pytest.raises(RuntimeError, match=r"h and delta must have the same shape"):
         torch.ops.tandem.add_rms_norm_(torch.zeros(2, 16), torch.zeros(3, 16), torch.zeros(16), 1e-5)
+    with pytest.raises(RuntimeError, match=r"same shape and dtype, got float32 \[2, 16\] and bfloat16 \[2, 16\]"):
+        torch.ops.tandem.add_rms_norm_(torch.zeros(2, 16), torch.zeros(2, 16).bfloat16(), torch.zeros(16), 1e-5)
     with pytest.raises(RuntimeError, match=r"rope_ needs a head_dim that is a multiple of 16, got 24"):
         torch.ops.tandem.rope_(torch.zeros(2, 1, 24), torch.zeros(2, 24), torch.zeros(2, 24))
     with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 with tokens \* head_dim = 32"):
