@@ -3,9 +3,10 @@ scaled_dot_product_attention. Prompt pieces run one sequence at a time (they are
 decodes run as padded batches.
 
 Gathers move whole pages (index_select over [num_pages, page_size * heads * dim] rows): on CPU that
-is several times faster than gathering token rows, which dominated decode steps. With a float32
-cache on a CPU that runs tandem's own kernels (cpu_ops.py), decodes skip the gathers altogether:
-`paged_decode_attention` reads each sequence's pages where they lie, all decodes in one call.
+is several times faster than gathering token rows, which dominated decode steps. With a float32 or
+bfloat16 cache on a CPU that runs tandem's own kernels (cpu_ops.py), decodes skip the gathers
+altogether: `paged_decode_attention` reads each sequence's pages where they lie, all decodes in one
+call (float32 math either way).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class TorchAttention(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         c = self.kv_cache
-        self.in_place_decode = c.device.type == "cpu" and c.dtype == torch.float32 and cpu_ops_unavailable() is None
+        self.in_place_decode = (c.device.type == "cpu" and c.dtype in (torch.float32, torch.bfloat16)
+                                and cpu_ops_unavailable() is None)
 
     def prepare(self, batch: AttentionBatch) -> None:
         device = self.kv_cache.device

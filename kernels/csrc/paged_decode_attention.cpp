@@ -1,6 +1,7 @@
 // Decode attention read straight from the paged KV cache: each sequence's one query token against
 // its whole KV, page by page, without first gathering the pages into a contiguous tensor (the torch
-// backend's gather copies every page of every sequence on every layer). Float32, AVX2 + FMA.
+// backend's gather copies every page of every sequence on every layer). AVX2 + FMA: float32 math
+// over a float32 or bfloat16 cache (widened as it is read), the output in the query's dtype.
 // Registered as torch.ops.tandem.paged_decode_attention.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,7 +12,11 @@
 #include <limits>
 #include <vector>
 
+#include "vec8.h"
+
 namespace {
+
+using tandem_vec8::load8;
 
 constexpr int64_t kMaxRows = 256;  // query heads per sequence
 
@@ -40,48 +45,23 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
-  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-}  // namespace
-
-// q [B, H, D]; k_cache, v_cache [pages, page_size, KVH, D]; page_table [B, W] (pages of each
-// sequence, padded); kv_lens [B] -> [B, H, D]. Query head h reads KV head h / (H / KVH).
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& page_table, const at::Tensor& kv_lens, double scale) {
-  const at::Tensor q = q_in.contiguous();
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be float32 [B, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache and v_cache must be contiguous float32 [pages, page_size, kv_heads, head_dim]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t P = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "head_dim must match the cache and be a multiple of 8");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == B && page_table.scalar_type() == at::kLong &&
-              page_table.is_contiguous(), "page_table must be contiguous int64 [B, W]");
-  TORCH_CHECK(kv_lens.numel() == B && kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous(),
-              "kv_lens must be contiguous int64 [B]");
-  const int64_t W = page_table.size(1), G = H / KVH;
-  TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
-  const int64_t* table = page_table.data_ptr<int64_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] > 0 && lens[b] <= W * P, "kv_lens[", b, "] = ", lens[b], " is outside (0, ", W * P, "]");
-  auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float s = static_cast<float>(scale);
+// The attention itself, on checked inputs: q [B, H, D] and out [B, H, D] float32, the caches of T.
+template <typename T>
+void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t* table, const int64_t* lens,
+            int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, float s) {
+  const int64_t G = H / KVH;
   // A task is one sequence with all its kv heads (its pages read front to back once), or, when
   // there are too few sequences to keep the threads busy, one sequence and one kv head.
   const int64_t splits = B >= 2 * at::get_num_threads() ? 1 : KVH;
@@ -97,7 +77,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       scores.assign(rows * Lp, -std::numeric_limits<float>::infinity());
       // scores[r][t] = q_r . k_t * scale, page by page
       for (int64_t t0 = 0; t0 < L; t0 += P) {
-        const float* k = kp + (pages[t0 / P] * P * KVH + h0) * D;
+        const T* k = kp + (pages[t0 / P] * P * KVH + h0) * D;
         for (int64_t t = t0; t < std::min(L, t0 + P); ++t, k += KVH * D)
           for (int64_t r = 0; r < rows; ++r) scores[r * Lp + t] = dot(qb + r * D, k + r / G * D, D) * s;
       }
@@ -126,14 +106,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       float* ob = op + (b * H + h0 * G) * D;  // this task's output rows
       std::fill(ob, ob + rows * D, 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += P) {
-        const float* v = vp + (pages[t0 / P] * P * KVH + h0) * D;
+        const T* v = vp + (pages[t0 / P] * P * KVH + h0) * D;
         for (int64_t t = t0; t < std::min(L, t0 + P); ++t, v += KVH * D)
           for (int64_t r = 0; r < rows; ++r) {
             const __m256 p = _mm256_set1_ps(scores[r * Lp + t]);
-            const float* vr = v + r / G * D;
+            const T* vr = v + r / G * D;
             float* o = ob + r * D;
             for (int64_t d0 = 0; d0 < D; d0 += 8)
-              _mm256_storeu_ps(o + d0, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d0), _mm256_loadu_ps(o + d0)));
+              _mm256_storeu_ps(o + d0, _mm256_fmadd_ps(p, load8(vr + d0), _mm256_loadu_ps(o + d0)));
           }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -143,7 +123,45 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       }
     }
   });
-  return out;
+}
+
+}  // namespace
+
+// q [B, H, D]; k_cache, v_cache [pages, page_size, KVH, D]; page_table [B, W] (pages of each
+// sequence, padded); kv_lens [B] -> [B, H, D] in q's dtype. Query head h reads KV head h / (H / KVH).
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& page_table, const at::Tensor& kv_lens, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16),
+              "q must be float32 or bfloat16 [B, H, D]");
+  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  const auto cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 && (cache_dtype == at::kFloat || cache_dtype == at::kBFloat16) &&
+              k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_dtype &&
+              v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous float32 or bfloat16 [pages, page_size, kv_heads, head_dim]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "head_dim must match the cache and be a multiple of 8");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == B && page_table.scalar_type() == at::kLong &&
+              page_table.is_contiguous(), "page_table must be contiguous int64 [B, W]");
+  TORCH_CHECK(kv_lens.numel() == B && kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous(),
+              "kv_lens must be contiguous int64 [B]");
+  const int64_t W = page_table.size(1);
+  TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= W * P, "kv_lens[", b, "] = ", lens[b], " is outside (0, ", W * P, "]");
+  auto out = at::empty_like(q);
+  const float s = static_cast<float>(scale);
+  if (cache_dtype == at::kBFloat16)
+    attend(q.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+           out.data_ptr<float>(), table, lens, B, H, D, P, KVH, W, s);
+  else
+    attend(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), table,
+           lens, B, H, D, P, KVH, W, s);
+  return out.to(q_in.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {

@@ -1,6 +1,7 @@
 """TorchAttention against naive dense attention: ragged batches of prompt pieces (with and
 without a cached prefix) and decodes, scattered pages, page sizes 1 and 16, and a bf16 cache
-read by float32 math; decodes both gathered and read in place (tandem's paged_decode_attention)."""
+read by float32 and by bfloat16 queries; decodes both gathered and read in place (tandem's
+paged_decode_attention)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def assert_kernel_absent_for_a_reason() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("cache_dtype,decodes", [(torch.float32, "in place"), (torch.float32, "gathered"),
-                                                 (torch.bfloat16, "gathered")])
+                                                 (torch.bfloat16, "gathered"), (torch.bfloat16, "in place")])
 def test_matches_dense_attention(page_size, cache_dtype, decodes):
     torch.manual_seed(0)
     rng = random.Random(page_size)
@@ -69,24 +70,27 @@ def test_matches_dense_attention(page_size, cache_dtype, decodes):
         out_slots=torch.tensor([s for p, n, pages, *_ in seqs for s in flat_slots(pages, p, p + n, page_size)]),
     )
     backend = TorchAttention(cache, H, D, D**-0.5)
+    # the bfloat16 model's queries are bfloat16; a CPU without native bfloat16 reads such a cache
+    # with float32 math (gathered)
+    q_dtype = cache_dtype if decodes == "in place" else torch.float32
     if decodes == "in place":
-        # a float32 cache on an AVX2 CPU reads decodes in place; elsewhere they are gathered
+        # a float32 or bfloat16 cache on an AVX2 CPU reads decodes in place; elsewhere they are gathered
         assert backend.in_place_decode == (cpu_ops_unavailable() is None)
     else:
         backend.in_place_decode = False
     backend.prepare(batch)
     assert (backend.in_place is not None) == backend.in_place_decode
-    q = torch.cat([s[5] for s in seqs])
+    q = torch.cat([s[5] for s in seqs]).to(q_dtype)
     k_new = torch.cat([k[p:] for p, _, _, k, _, _ in seqs])
     v_new = torch.cat([v[p:] for p, _, _, _, v, _ in seqs])
     out = backend.forward(0, q, k_new, v_new)
-    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert out.shape == q.shape and out.dtype == q_dtype and torch.isfinite(out).all()
     row = 0
     tol = 1e-5 if cache_dtype == torch.float32 else 2e-2
     for prefix, new, _, k, v, qi in seqs:
         # The reference sees K/V rounded as the cache stores them.
-        want = dense_attention(qi, k.to(cache_dtype).float(), v.to(cache_dtype).float(), prefix)
-        torch.testing.assert_close(out[row : row + new], want, atol=tol, rtol=tol)
+        want = dense_attention(qi.to(q_dtype).float(), k.to(cache_dtype).float(), v.to(cache_dtype).float(), prefix)
+        torch.testing.assert_close(out[row : row + new].float(), want, atol=tol, rtol=tol)
         row += new
 
 
@@ -122,14 +126,16 @@ def test_a_cpu_cache_asks_linux_for_huge_pages(huge_pages):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128)])
-def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cache_dtype):
     """The kernel alone: GQA group sizes 1 to 8, head dims that are and are not multiples of 16,
-    sequences of 1 to 300 tokens on scattered pages of 16."""
+    sequences of 1 to 300 tokens on scattered pages of 16; a bfloat16 cache is widened exactly, so
+    the float32 math is as close to float64 on its values as on a float32 cache's."""
     if cpu_ops_unavailable() is not None:
         return assert_kernel_absent_for_a_reason()
     torch.manual_seed(heads)
     P, lens = 16, [1, 17, 300, 64]
-    k_cache, v_cache = torch.randn(2, 96, P, kv_heads, dim).unbind(0)
+    k_cache, v_cache = torch.randn(2, 96, P, kv_heads, dim).to(cache_dtype).unbind(0)
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     perm = torch.randperm(96)
     width = -(-max(lens) // P)
@@ -150,3 +156,6 @@ def test_paged_decode_attention_rejects_a_length_beyond_its_pages():
     with pytest.raises(RuntimeError, match=r"kv_lens\[0\] = 33 is outside \(0, 32\]"):
         torch.ops.tandem.paged_decode_attention(torch.zeros(1, 1, 16), cache, cache, torch.tensor([[0, 1]]),
                                                 torch.tensor([33]), 0.25)
+    with pytest.raises(RuntimeError, match=r"k_cache and v_cache must be contiguous float32 or bfloat16"):
+        torch.ops.tandem.paged_decode_attention(torch.zeros(1, 1, 16), cache.half(), cache.half(),
+                                                torch.tensor([[0, 1]]), torch.tensor([3]), 0.25)
