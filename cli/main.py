@@ -275,10 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     blin.set_defaults(func=cmd_bench_linear)
 
     bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size in two forms, alternated "
-                                 "in one run: native layer ops vs torch's, or the KV cache on huge vs 4 KiB pages")
-    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages"], default="layer-ops")
+                                 "in one run: native layer ops vs torch's, the KV cache on huge vs 4 KiB pages, or decode "
+                                 "attention read in place vs gathered")
+    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention"], default="layer-ops")
     bstep.add_argument("--model", default=EngineConfig.model)
-    bstep.add_argument("--dtype", default="auto", help="weights' dtype (as --dtype); the native ops need float32 math")
+    bstep.add_argument("--dtype", default="auto", help="weights' dtype (as --dtype; auto: what a server picks here)")
     bstep.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="sequences decoding in the step")
     bstep.add_argument("--context", type=int, default=350, help="tokens already in each sequence's KV")
     bstep.add_argument("--steps", type=int, default=30, help="timed steps per form and batch size")

@@ -4,7 +4,11 @@ in two forms alternated within one run so both see the same machine:
 - `--compare layer-ops` (default): the layers' small steps as tandem's native calls
   (`tandem.kernels.layer_ops`) against the torch ops they replace;
 - `--compare kv-pages`: the KV cache on transparent huge pages against 4 KiB pages (two caches;
-  where /sys/kernel/mm/transparent_hugepage/enabled is `always`, both get huge pages).
+  where /sys/kernel/mm/transparent_hugepage/enabled is `always`, both get huge pages);
+- `--compare decode-attention`: decode attention read in place from the pages
+  (`paged_decode_attention`) against gathering them for torch's SDPA.
+
+The model computes in its own dtype (`--dtype`; auto as a server picks it), the KV cache too.
 
 The batch is `rows` sequences of `--context` tokens each on scattered pages of a KV cache as large
 as a serving engine's, so the weights and the KV stream from memory as they do in a server. Prints
@@ -44,17 +48,18 @@ def run(args) -> int:
     from tandem.server.model import load_model
 
     native = cpu_ops_unavailable() is None
-    if args.compare == "layer-ops" and not native:
-        raise SystemExit(f"bench step compares tandem's native layer ops, which cannot run here: {cpu_ops_unavailable()}")
+    if args.compare != "kv-pages" and not native:
+        raise SystemExit(f"bench step compares tandem's native kernels, which cannot run here: {cpu_ops_unavailable()}")
     loaded = load_model(args.model, args.dtype, "cpu")
     model, c = loaded.module, loaded.config
-    if args.compare == "layer-ops" and loaded.compute_dtype != torch.float32:
-        raise SystemExit(f"the native layer ops are float32; this model computes in {loaded.compute_dtype}")
+    if loaded.compute_dtype not in (torch.float32, torch.bfloat16):
+        raise SystemExit(f"tandem's native kernels take float32 or bfloat16; this model computes in {loaded.compute_dtype}")
 
-    def backend(huge_pages: bool) -> TorchAttention:
-        cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
-                             torch.float32, torch.device("cpu"), huge_pages=huge_pages)
-        cache.buffer.normal_()
+    def backend(huge_pages: bool, cache: PagedKVCache | None = None) -> TorchAttention:
+        if cache is None:
+            cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
+                                 loaded.compute_dtype, torch.device("cpu"), huge_pages=huge_pages)
+            cache.buffer.normal_()
         return TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
 
     if args.compare == "kv-pages":
@@ -62,6 +67,11 @@ def run(args) -> int:
         if not huge.kv_cache.huge_pages:
             raise SystemExit("Linux refused the huge-page advice here (a kernel without transparent huge pages?)")
         forms = {"huge_pages": (huge, native), "4k_pages": (small, native)}
+    elif args.compare == "decode-attention":
+        in_place = backend(True)
+        gathered = backend(True, in_place.kv_cache)  # the same pages, read the other way
+        gathered.in_place_decode = False
+        forms = {"in_place": (in_place, True), "gathered": (gathered, True)}
     else:
         attn = backend(True)
         forms = {"native": (attn, True), "torch": (attn, False)}
@@ -85,7 +95,7 @@ def run(args) -> int:
         first, second = ms
         print(json.dumps({
             "bench": "step", "compare": args.compare, "model": args.model, "rows": rows, "context": args.context,
-            "steps": args.steps, "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
+            "steps": args.steps, "dtype": str(loaded.compute_dtype).removeprefix("torch."), "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
             f"{first}_vs_{second}": round(ms[first] / ms[second], 3),
         }), flush=True)
     return 0

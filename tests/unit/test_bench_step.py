@@ -40,3 +40,18 @@ def test_bench_step_compares_kv_pages():
     assert proc.returncode == 0, proc.stderr
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["compare"] == "kv-pages" and line["huge_pages_ms"] > 0 and line["4k_pages_ms"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bench_step_compares_decode_attention(dtype):
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--compare", "decode-attention",
+                           "--dtype", dtype, "--rows", "2", "--context", "20", "--steps", "1", "--kv-tokens", "1024"],
+                          capture_output=True, text=True, timeout=300)
+    if (why := cpu_ops_unavailable()) is not None:
+        assert proc.returncode != 0 and why in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["compare"] == "decode-attention" and line["in_place_ms"] > 0 and line["gathered_ms"] > 0
+    # bfloat16 stays bfloat16 where the CPU multiplies it natively, else it computes in float32
+    assert line["dtype"] in ({dtype, "float32"} if dtype == "bfloat16" else {"float32"})
