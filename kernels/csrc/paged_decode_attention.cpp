@@ -3,6 +3,13 @@
 // backend's gather copies every page of every sequence on every layer). AVX2 + FMA: float32 math
 // over a float32 or bfloat16 cache (widened as it is read), the output in the query's dtype.
 // Registered as torch.ops.tandem.paged_decode_attention.
+//
+// The query heads that share a kv head (a GQA group) go together: each key and value row is read
+// once for the group, the scores of 8 keys and the weighted sums of 32 dims stay in registers
+// (no dependent chain of multiply-adds, no horizontal sum per key), and the next rows are
+// prefetched, since a sequence's pages lie anywhere in a pool of gigabytes. Against a version that
+// took each query head and key in turn: half the time on KV that sits in cache; 0.88x and 0.85x of
+// a whole bfloat16 decode step of 8 and 16 sequences in a model (README, Performance).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -46,81 +53,136 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 
 template <typename T>
-inline float dot(const float* a, const T* b, int64_t d) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
-  }
-  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < D * static_cast<int64_t>(sizeof(T)); offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
 }
 
-// The attention itself, on checked inputs: q [B, H, D] and out [B, H, D] float32, the caches of T.
+// Scores of the query rows [r0, r0 + R) of one kv head against 8 keys (k[j]: token j's head row):
+// scores[r * ld + j] = q_r . k_j * s. Each row keeps 8 sums in flight, one per key, so the
+// multiply-adds never wait on each other, and folds them into one vector at the end.
+template <typename T>
+inline void scores8(const float* q, int64_t rows, const T* const* k, int64_t D, float s, float* scores, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(q + r * D + d);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), acc[j]);
+    }
+    // 8 vectors of partial sums -> one vector of 8 sums, key j in lane j
+    const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+    _mm256_storeu_ps(scores + r * ld, _mm256_mul_ps(sums, _mm256_set1_ps(s)));
+  }
+}
+
+// out[r][d0, d0 + 8C) += sum over tokens t of p[r][t] * v_t[d0, d0 + 8C), for R query rows at once:
+// R * C running sums stay in registers while the tokens stream past.
+template <typename T, int R, int C>
+void weighted_values(const float* p, int64_t ld, const T* const* v, int64_t L, int64_t d0, float* out, int64_t D) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    __m256 vt[C];
+    for (int c = 0; c < C; ++c) vt[c] = load8(v[t] + d0 + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * ld + t);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(pr, vt[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * D + d0 + 8 * c, acc[r][c]);
+}
+
+template <typename T, int R>
+void weighted_values(const float* p, int64_t ld, const T* const* v, int64_t L, int64_t d0, int64_t chunks, float* out,
+                     int64_t D) {
+  switch (chunks) {
+    case 1: return weighted_values<T, R, 1>(p, ld, v, L, d0, out, D);
+    case 2: return weighted_values<T, R, 2>(p, ld, v, L, d0, out, D);
+    case 3: return weighted_values<T, R, 3>(p, ld, v, L, d0, out, D);
+    default: return weighted_values<T, R, 4>(p, ld, v, L, d0, out, D);
+  }
+}
+
+// The attention of one sequence's query rows that share one kv head (G of them, at q and out),
+// against its L keys and values (k[t], v[t]: token t's row of that head).
+template <typename T>
+void attend_group(const float* q, int64_t G, const T* const* k, const T* const* v, int64_t L, int64_t D, float s,
+                  float* out, std::vector<float>& scores) {
+  const int64_t Lp = (L + 7) / 8 * 8;  // rows of scores padded to whole vectors
+  scores.resize(G * Lp);
+  const T* keys[8];
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    // The rows lie scattered over pages in memory: ask for the next tile's keys, and for this
+    // tile's values (read after the softmax), before they are needed.
+    for (int64_t t = t0 + 8; t < std::min(L, t0 + 16); ++t) prefetch_row(k[t], D);
+    for (int64_t t = t0; t < std::min(L, t0 + 8); ++t) prefetch_row(v[t], D);
+    for (int j = 0; j < 8; ++j) keys[j] = k[std::min<int64_t>(t0 + j, L - 1)];  // a short tile repeats its last key
+    scores8(q, G, keys, D, s, scores.data() + t0, Lp);
+  }
+  // softmax numerators e^(score - max) in place (padding -> exactly 0), each row's 1 / sum
+  float inv_sum[kMaxRows];
+  for (int64_t r = 0; r < G; ++r) {
+    float* sc = scores.data() + r * Lp;
+    std::fill(sc + L, sc + Lp, -std::numeric_limits<float>::infinity());
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < Lp; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    const __m256 padding = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < Lp; t += 8) {
+      const __m256 x = _mm256_loadu_ps(sc + t);
+      const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, padding, _CMP_NEQ_OQ));
+      _mm256_storeu_ps(sc + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv_sum[r] = 1.f / hsum(sum);
+  }
+  // out_r = sum_t p_r[t] v_t / sum_r: up to 3 rows and 32 dims at a time (12 sums in registers)
+  for (int64_t r0 = 0; r0 < G; r0 += 3)
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const int64_t chunks = std::min<int64_t>(4, (D - d0) / 8);
+      const float* p = scores.data() + r0 * Lp;
+      float* o = out + r0 * D;
+      switch (std::min<int64_t>(3, G - r0)) {
+        case 1: weighted_values<T, 1>(p, Lp, v, L, d0, chunks, o, D); break;
+        case 2: weighted_values<T, 2>(p, Lp, v, L, d0, chunks, o, D); break;
+        default: weighted_values<T, 3>(p, Lp, v, L, d0, chunks, o, D); break;
+      }
+    }
+  for (int64_t r = 0; r < G; ++r) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + r * D + d, _mm256_mul_ps(inv, _mm256_loadu_ps(out + r * D + d)));
+  }
+}
+
+// One task per sequence and kv head: its G query heads read that head's rows of the sequence's pages.
 template <typename T>
 void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t* table, const int64_t* lens,
-            int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, float s) {
+                    int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, float s) {
   const int64_t G = H / KVH;
-  // A task is one sequence with all its kv heads (its pages read front to back once), or, when
-  // there are too few sequences to keep the threads busy, one sequence and one kv head.
-  const int64_t splits = B >= 2 * at::get_num_threads() ? 1 : KVH;
-  const int64_t heads_per_task = KVH / splits;
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const T*> k, v;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / splits, h0 = i % splits * heads_per_task, L = lens[b];
-      const int64_t Lp = (L + 7) / 8 * 8;  // rows of scores padded to whole vectors
-      const int64_t rows = heads_per_task * G;  // query heads of this task: h0 * G onwards
+      const int64_t b = i / KVH, h = i % KVH, L = lens[b];
       const int64_t* pages = table + b * W;
-      const float* qb = qp + (b * H + h0 * G) * D;
-      scores.assign(rows * Lp, -std::numeric_limits<float>::infinity());
-      // scores[r][t] = q_r . k_t * scale, page by page
-      for (int64_t t0 = 0; t0 < L; t0 += P) {
-        const T* k = kp + (pages[t0 / P] * P * KVH + h0) * D;
-        for (int64_t t = t0; t < std::min(L, t0 + P); ++t, k += KVH * D)
-          for (int64_t r = 0; r < rows; ++r) scores[r * Lp + t] = dot(qb + r * D, k + r / G * D, D) * s;
+      k.resize(L);
+      v.resize(L);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t row = ((pages[t / P] * P + t % P) * KVH + h) * D;
+        k[t] = kp + row;
+        v[t] = vp + row;
       }
-      // softmax numerators e^(score - max) in place, and each head's 1 / sum
-      float inv_sum[kMaxRows];
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sc = scores.data() + r * Lp;
-        __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < Lp; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
-        const __m256 padding = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < Lp; t += 8) {
-          const __m256 x = _mm256_loadu_ps(sc + t);
-          // padding (-inf) becomes exactly 0
-          const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, padding, _CMP_NEQ_OQ));
-          _mm256_storeu_ps(sc + t, e);
-          sum = _mm256_add_ps(sum, e);
-        }
-        inv_sum[r] = 1.f / hsum(sum);
-      }
-      // out_r = sum_t p_r[t] v_t / sum_r, page by page
-      float* ob = op + (b * H + h0 * G) * D;  // this task's output rows
-      std::fill(ob, ob + rows * D, 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += P) {
-        const T* v = vp + (pages[t0 / P] * P * KVH + h0) * D;
-        for (int64_t t = t0; t < std::min(L, t0 + P); ++t, v += KVH * D)
-          for (int64_t r = 0; r < rows; ++r) {
-            const __m256 p = _mm256_set1_ps(scores[r * Lp + t]);
-            const T* vr = v + r / G * D;
-            float* o = ob + r * D;
-            for (int64_t d0 = 0; d0 < D; d0 += 8)
-              _mm256_storeu_ps(o + d0, _mm256_fmadd_ps(p, load8(vr + d0), _mm256_loadu_ps(o + d0)));
-          }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-        for (int64_t d0 = 0; d0 < D; d0 += 8)
-          _mm256_storeu_ps(ob + r * D + d0, _mm256_mul_ps(inv, _mm256_loadu_ps(ob + r * D + d0)));
-      }
+      attend_group(qp + (b * H + h * G) * D, G, k.data(), v.data(), L, D, s, op + (b * H + h * G) * D, scores);
     }
   });
 }
