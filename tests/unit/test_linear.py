@@ -71,7 +71,8 @@ def test_auto_dtype_is_float32_where_the_block_kernels_decode(monkeypatch):
     assert model.resolve_dtype("auto", cpu, block_weights=False)[0] == "bfloat16"  # safetensors: no blocks
     assert model.resolve_dtype("auto", torch.device("cuda"), block_weights=True)[0] == "bfloat16"
     monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16", "amx_bf16"])
-    assert model.resolve_dtype("auto", cpu, block_weights=True)[0] == "bfloat16"
+    dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
+    assert dtype == "bfloat16" and why.endswith("with AMX, faster than float32 with the GGUF file's int8 blocks")
     monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16"])
     monkeypatch.setattr(model, "cpu_ops_unavailable", lambda: "TANDEM_CPU_KERNELS=0")
     dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
