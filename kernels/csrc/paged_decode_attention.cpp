@@ -58,8 +58,8 @@ inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t offset = 0; offset < D * static_cast<int64_t>(sizeof(T)); offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
 }
 
-// Scores of the query rows [r0, r0 + R) of one kv head against 8 keys (k[j]: token j's head row):
-// scores[r * ld + j] = q_r . k_j * s. Each row keeps 8 sums in flight, one per key, so the
+// Scores of `rows` query rows (q, D apart) that share one kv head against 8 keys (k[j]: token j's
+// row of that head): scores[r * ld + j] = q_r . k_j * s. Each row keeps 8 sums in flight, one per key, so the
 // multiply-adds never wait on each other, and folds them into one vector at the end.
 template <typename T>
 inline void scores8(const float* q, int64_t rows, const T* const* k, int64_t D, float s, float* scores, int64_t ld) {
@@ -167,7 +167,7 @@ void attend_group(const float* q, int64_t G, const T* const* k, const T* const* 
 // One task per sequence and kv head: its G query heads read that head's rows of the sequence's pages.
 template <typename T>
 void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t* table, const int64_t* lens,
-                    int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, float s) {
+            int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, float s) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
