@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.checks import assert_engine_clean, assert_matches_reference
+from support.checks import assert_greedy_matches_reference
+from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
 from tandem.kernels import layer_ops
-from tandem.kernels.attention import AttentionBatch, create_backend
+from tandem.kernels.attention import create_backend
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.kv_cache import PagedKVCache, flat_slots
-from tandem.server.sampling_params import SamplingParams
+from tandem.kernels.kv_cache import PagedKVCache
 
 NEW_TOKENS = 24
 DECODE_STEPS = 40
@@ -40,37 +40,16 @@ def smollm_bf16():
     return loaded
 
 
-def teacher_forced_logits(loaded, ids: list[int], decode_steps: int = 0) -> torch.Tensor:
-    """Every position's logits, [len(ids), vocab]: one forward pass over all but the last
-    `decode_steps` tokens, then one decode step per remaining token."""
-    c = loaded.config
-    pages = list(range(-(-len(ids) // PAGE_SIZE)))
-    cache = PagedKVCache(c.num_layers, len(pages), PAGE_SIZE, c.num_kv_heads, c.head_dim, loaded.compute_dtype,
-                         loaded.device)
-    attn = create_backend("torch", cache, c.num_heads, c.head_dim)
-    assert attn.in_place_decode == (cpu_ops_unavailable() is None)
-    pieces = [(0, len(ids) - decode_steps)] + [(t, t + 1) for t in range(len(ids) - decode_steps, len(ids))]
-    logits = []
-    for start, end in pieces:
-        first = start == 0
-        attn.prepare(AttentionBatch(q_lens=[end - start], kv_lens=[end], page_tables=[pages], num_extends=int(first),
-                                    out_slots=torch.tensor(flat_slots(pages, start, end, PAGE_SIZE))))
-        assert first or attn.in_place is not None or not attn.in_place_decode  # decodes read the pages in place
-        with torch.inference_mode():
-            hidden = loaded.module(torch.tensor(ids[start:end]), torch.arange(start, end), attn)
-            logits.append(loaded.module.logits(hidden).float())
-    return torch.cat(logits)
-
-
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    error, mean = float((got - want).abs().max()), float((got - want).abs().mean())
-    # float32 agrees to ~1e-4: an error this size is bfloat16's rounding, so the path ran
-    assert 1e-2 < error < TOLERANCE and mean < MEAN_TOLERANCE, f"{what}: logit error {error:.3g}, mean {mean:.3g}"
+    assert_logits_close(got, want, what, TOLERANCE, MEAN_TOLERANCE, rounding=1e-2)
 
 
-def test_the_layers_run_tandems_native_ops_in_bfloat16(smollm_bf16):
-    x = torch.ones(2, smollm_bf16.config.hidden_size, dtype=torch.bfloat16)
+def test_the_layers_and_decodes_run_tandems_native_kernels_in_bfloat16(smollm_bf16):
+    c = smollm_bf16.config
+    x = torch.ones(2, c.hidden_size, dtype=torch.bfloat16)
     assert layer_ops._native(x, smollm_bf16.module.norm) == (cpu_ops_unavailable() is None)
+    cache = PagedKVCache(c.num_layers, 4, PAGE_SIZE, c.num_kv_heads, c.head_dim, torch.bfloat16, smollm_bf16.device)
+    assert create_backend("torch", cache, c.num_heads, c.head_dim).in_place_decode == (cpu_ops_unavailable() is None)
 
 
 @pytest.mark.parametrize("which", [3, 5, 7, 9])
@@ -80,20 +59,11 @@ def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16, h
         want = hf_reference.model(torch.tensor([p])).logits[0].float()
     assert_close_to_reference(teacher_forced_logits(smollm_bf16, p), want, f"{len(p)} tokens")
     if len(p) > DECODE_STEPS:
-        got = teacher_forced_logits(smollm_bf16, p, DECODE_STEPS)
+        got = teacher_forced_logits(smollm_bf16, p, decode_steps=DECODE_STEPS)
         assert_close_to_reference(got[-DECODE_STEPS:], want[-DECODE_STEPS:], f"{len(p)} tokens, the last as decodes")
 
 
 def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16, hf_reference):
-    from tandem.server.config import EngineConfig
-    from tandem.server.engine import Engine
-
-    workload = [(p, *hf_reference.greedy(p, NEW_TOKENS)) for p in prompts(smollm_bf16.tokenizer)]
-    config = EngineConfig(max_total_tokens=16384, page_size=PAGE_SIZE, chunked_prefill_size=256, max_running_requests=6)
-    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with Engine(config, model=smollm_bf16) as engine:
-        results = [s.result() for s in [engine.submit(p, greedy) for p, _, _ in workload]]
-        assert_engine_clean(engine)
-    for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
-        assert r.finish_reason == "length", r.error
-        assert_matches_reference(r.output_ids, want, gaps, f"prompt {i} ({len(p)} tokens)", tolerance=TOLERANCE)
+    assert_greedy_matches_reference(smollm_bf16, hf_reference, prompts(smollm_bf16.tokenizer), NEW_TOKENS, TOLERANCE,
+                                    max_total_tokens=16384, page_size=PAGE_SIZE, chunked_prefill_size=256,
+                                    max_running_requests=6)

@@ -12,16 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.checks import assert_engine_clean, assert_matches_reference
+from support.checks import assert_greedy_matches_reference
+from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
-from tandem.kernels.attention import AttentionBatch, create_backend
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, bfloat16_blocks_unavailable
-from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS
-from tandem.server.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
-GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # Measured on the prompts below (19 to 1,710 tokens): this path's logits are off by 0.06-0.08 on
 # average; HF transformers' own model with bfloat16 weights by 0.11-0.20, and by up to 1.41 at worst.
 # The worst logit of a prompt is a tail statistic: float32 changes of one ulp before a bfloat16
@@ -38,29 +35,8 @@ def smollm_bf16_prefill():
     return load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16")
 
 
-def prompt_logits(loaded, ids: list[int], piece: int | None = None, page_size: int = 16) -> torch.Tensor:
-    """Every position's logits, [len(ids), vocab], from forward passes over `piece` tokens at a time
-    (default: one pass over the whole prompt)."""
-    c = loaded.config
-    pages = list(range(-(-len(ids) // page_size)))
-    cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.compute_dtype, loaded.device)
-    attn = create_backend("torch", cache, c.num_heads, c.head_dim)
-    piece = piece or len(ids)
-    logits = []
-    for start in range(0, len(ids), piece):
-        end = min(start + piece, len(ids))
-        attn.prepare(AttentionBatch(q_lens=[end - start], kv_lens=[end], page_tables=[pages], num_extends=1,
-                                    out_slots=torch.tensor(flat_slots(pages, start, end, page_size))))
-        with torch.inference_mode():
-            hidden = loaded.module(torch.tensor(ids[start:end]), torch.arange(start, end), attn)
-            logits.append(loaded.module.logits(hidden).float())
-    return torch.cat(logits)
-
-
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    error, mean = float((got - want).abs().max()), float((got - want).abs().mean())
-    # float32 agrees to ~1e-4: an error this size is bfloat16's rounding, so the path ran
-    assert 1e-3 < error < TOLERANCE and mean < MEAN_TOLERANCE, f"{what}: logit error {error:.3g}, mean {mean:.3g}"
+    assert_logits_close(got, want, what, TOLERANCE, MEAN_TOLERANCE, rounding=1e-3)
 
 
 def test_every_projection_over_eight_rows_is_bfloat16(smollm_bf16_prefill):
@@ -74,7 +50,7 @@ def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16_pr
     for p in (ids[3], ids[5], ids[7], ids[9]):  # ~20 to 1,200+ tokens: every one a product of more than 8 rows
         with torch.inference_mode():
             want = hf_reference.model(torch.tensor([p])).logits[0].float()
-        assert_close_to_reference(prompt_logits(smollm_bf16_prefill, p), want, f"{len(p)} tokens")
+        assert_close_to_reference(teacher_forced_logits(smollm_bf16_prefill, p), want, f"{len(p)} tokens")
 
 
 def test_decode_sized_products_round_against_the_int8_blocks(smollm_bf16_prefill, hf_reference):
@@ -88,7 +64,7 @@ def test_decode_sized_products_round_against_the_int8_blocks(smollm_bf16_prefill
     for p in (ids[3], ids[5], ids[7]):
         with torch.inference_mode():
             want = hf_reference.model(torch.tensor([p])).logits[0].float()
-        got = prompt_logits(smollm_bf16_prefill, p, piece=piece)
+        got = teacher_forced_logits(smollm_bf16_prefill, p, piece=piece)
         if why is None:
             assert_close_to_reference(got, want, f"{len(p)} tokens, {piece} at a time")
         else:  # no AVX512-BF16: these products stay float32 (exact), the reason is the CPU's
@@ -97,15 +73,7 @@ def test_decode_sized_products_round_against_the_int8_blocks(smollm_bf16_prefill
 
 
 def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefill, hf_reference):
-    from tandem.server.config import EngineConfig
-    from tandem.server.engine import Engine
-
-    workload = [(p, *hf_reference.greedy(p, NEW_TOKENS)) for p in prompts(smollm_bf16_prefill.tokenizer)]
     # 6 running at a time: decode steps of 5 to 6 rows (bfloat16 against the blocks) and fewer (exact)
-    config = EngineConfig(max_total_tokens=16384, page_size=16, chunked_prefill_size=256, max_running_requests=6)
-    with Engine(config, model=smollm_bf16_prefill) as engine:
-        results = [s.result() for s in [engine.submit(p, GREEDY) for p, _, _ in workload]]
-        assert_engine_clean(engine)
-    for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
-        assert r.finish_reason == "length", r.error
-        assert_matches_reference(r.output_ids, want, gaps, f"prompt {i} ({len(p)} tokens)", tolerance=TOLERANCE)
+    assert_greedy_matches_reference(smollm_bf16_prefill, hf_reference, prompts(smollm_bf16_prefill.tokenizer),
+                                    NEW_TOKENS, TOLERANCE, max_total_tokens=16384, page_size=16,
+                                    chunked_prefill_size=256, max_running_requests=6)

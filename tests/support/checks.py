@@ -65,3 +65,22 @@ def assert_matches_reference(got: list[int], want: list[int], gaps: list[float],
             )
             return
     assert len(got) == len(want), f"{label}: {len(got)} tokens, reference has {len(want)}"
+
+
+def assert_greedy_matches_reference(model, hf_reference, prompt_ids: list[list[int]], new_tokens: int, tolerance: float,
+                                    **config) -> None:
+    """All prompts through one Engine on `model` (greedy, EOS ignored, EngineConfig `config`), each
+    output token-identical to HF's greedy output up to a near tie below `tolerance`; the engine
+    left clean."""
+    from tandem.server.config import EngineConfig
+    from tandem.server.engine import Engine
+    from tandem.server.sampling_params import SamplingParams
+
+    workload = [(p, *hf_reference.greedy(p, new_tokens)) for p in prompt_ids]
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    with Engine(EngineConfig(**config), model=model) as engine:
+        results = [s.result() for s in [engine.submit(p, greedy) for p, _, _ in workload]]
+        assert_engine_clean(engine)
+    for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
+        assert r.finish_reason == "length", r.error
+        assert_matches_reference(r.output_ids, want, gaps, f"prompt {i} ({len(p)} tokens)", tolerance=tolerance)
