@@ -24,8 +24,11 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 def _native(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the native call takes x (and `others`, which must share its dtype)."""
-    if x.dtype not in _NATIVE_DTYPES or x.device.type != "cpu" or any(o.dtype != x.dtype for o in others):
+    if x.dtype not in _NATIVE_DTYPES or x.device.type != "cpu":
         return False
+    for other in others:  # a loop, not any(): this runs several times per layer
+        if other.dtype != x.dtype:
+            return False
     if not _kernels_ready:
         _kernels_ready.append(cpu_ops_unavailable() is None)
     return _kernels_ready[0]

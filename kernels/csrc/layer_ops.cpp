@@ -22,6 +22,8 @@
 
 namespace {
 
+using tandem_vec8::dispatch;
+using tandem_vec8::float_or_bf16;
 using tandem_vec8::load8;
 using tandem_vec8::round8;
 using tandem_vec8::store8;
@@ -29,12 +31,10 @@ using tandem_vec8::store8;
 // Rows per task: enough work per thread to be worth waking it.
 int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
 
-bool supported(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
-
 const char* dtype_name(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16 ? "bfloat16" : "float32"; }
 
 void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && supported(x) && x.stride(1) == 1, name,
+  TORCH_CHECK(x.dim() == 2 && float_or_bf16(x.scalar_type()) && x.stride(1) == 1, name,
               " must be float32 or bfloat16 [rows, n] with contiguous rows");
 }
 
@@ -101,11 +101,11 @@ void add_rms_norm_rows(at::Tensor& h, const at::Tensor& delta, const at::Tensor&
 
 template <typename T>
 void rope_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t T_ = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2, ld = x.stride(0);
+  const int64_t tokens = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2, ld = x.stride(0);
   T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  at::parallel_for(0, T_, grain(heads * D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain(heads * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + t * D;
       const T* s = sp + t * D;
@@ -144,15 +144,6 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   });
 }
 
-// Calls fn.template operator()<T>() with T the C++ type of `dtype` (float32 or bfloat16).
-template <typename Fn>
-void dispatch(at::ScalarType dtype, Fn&& fn) {
-  if (dtype == at::kBFloat16)
-    fn.template operator()<c10::BFloat16>();
-  else
-    fn.template operator()<float>();
-}
-
 }  // namespace
 
 // RMSNorm of each row of x [rows, n] (HF's LlamaRMSNorm).
@@ -178,14 +169,14 @@ at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tenso
 // In place, x [T, heads, D] (heads D apart, rows any distance apart): x * cos + rotate_half(x) * sin,
 // where rotate_half(x) = [-x[D/2:], x[:D/2]]; cos, sin [T, D] (any shape of T * D, contiguous).
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && supported(x) && x.stride(2) == 1 && x.stride(1) == x.size(2),
+  TORCH_CHECK(x.dim() == 3 && float_or_bf16(x.scalar_type()) && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x must be float32 or bfloat16 [tokens, heads, head_dim] with contiguous heads");
-  const int64_t T = x.size(0), D = x.size(2);
+  const int64_t tokens = x.size(0), D = x.size(2);
   TORCH_CHECK(D % 16 == 0, "rope_ needs a head_dim that is a multiple of 16, got ", D);
-  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.is_contiguous() && sin.is_contiguous() &&
+  TORCH_CHECK(cos.numel() == tokens * D && sin.numel() == tokens * D && cos.is_contiguous() && sin.is_contiguous() &&
               cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "cos and sin must be contiguous ", dtype_name(x), " with tokens * head_dim = ", T * D, " values");
-  dispatch(x.scalar_type(), [&]<typename T_>() { rope_rows<T_>(x, cos, sin); });
+              "cos and sin must be contiguous ", dtype_name(x), " with tokens * head_dim = ", tokens * D, " values");
+  dispatch(x.scalar_type(), [&]<typename T>() { rope_rows<T>(x, cos, sin); });
 }
 
 // gate_up [rows, 2F] = [gate | up] -> silu(gate) * up, silu(g) = g / (1 + e^-g) as torch computes it.

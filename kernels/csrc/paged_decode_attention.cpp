@@ -23,6 +23,8 @@
 
 namespace {
 
+using tandem_vec8::dispatch;
+using tandem_vec8::float_or_bf16;
 using tandem_vec8::load8;
 
 constexpr int64_t kMaxRows = 256;  // query heads per sequence
@@ -193,11 +195,11 @@ void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t*
 // sequence, padded); kv_lens [B] -> [B, H, D] in q's dtype. Query head h reads KV head h / (H / KVH).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& page_table, const at::Tensor& kv_lens, double scale) {
-  TORCH_CHECK(q_in.dim() == 3 && (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16),
+  TORCH_CHECK(q_in.dim() == 3 && float_or_bf16(q_in.scalar_type()),
               "q must be float32 or bfloat16 [B, H, D]");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
   const auto cache_dtype = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 4 && (cache_dtype == at::kFloat || cache_dtype == at::kBFloat16) &&
+  TORCH_CHECK(k_cache.dim() == 4 && float_or_bf16(cache_dtype) &&
               k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_dtype &&
               v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous float32 or bfloat16 [pages, page_size, kv_heads, head_dim]");
@@ -217,12 +219,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(lens[b] > 0 && lens[b] <= W * P, "kv_lens[", b, "] = ", lens[b], " is outside (0, ", W * P, "]");
   auto out = at::empty_like(q);
   const float s = static_cast<float>(scale);
-  if (cache_dtype == at::kBFloat16)
-    attend(q.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-           out.data_ptr<float>(), table, lens, B, H, D, P, KVH, W, s);
-  else
-    attend(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), table,
-           lens, B, H, D, P, KVH, W, s);
+  dispatch(cache_dtype, [&]<typename T>() {
+    attend(q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<float>(), table, lens, B, H,
+           D, P, KVH, W, s);
+  });
   return out.to(q_in.scalar_type());
 }
 

@@ -4,10 +4,23 @@
 // rounded an intermediate result to T.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 namespace tandem_vec8 {
+
+// The tensor dtypes these helpers read and write.
+inline bool float_or_bf16(c10::ScalarType dtype) { return dtype == c10::kFloat || dtype == c10::kBFloat16; }
+
+// Calls fn.template operator()<T>() with T the C++ type of `dtype`, one of those two.
+template <typename Fn>
+void dispatch(c10::ScalarType dtype, Fn&& fn) {
+  if (dtype == c10::kBFloat16)
+    fn.template operator()<c10::BFloat16>();
+  else
+    fn.template operator()<float>();
+}
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
