@@ -48,6 +48,11 @@ class BlockWeights:
     def rows(self, index) -> BlockWeights:
         return BlockWeights(self.q[index].contiguous(), self.scale[index].contiguous(), self.offset[index].contiguous())
 
+    def columns(self, first: int, last: int) -> BlockWeights:
+        """Columns [first * 32, last * 32): whole blocks [first, last) of every row."""
+        return BlockWeights(self.q[:, first * BLOCK : last * BLOCK].contiguous(), self.scale[:, first:last].contiguous(),
+                            self.offset[:, first:last].contiguous())
+
     @staticmethod
     def cat(parts: list[BlockWeights]) -> BlockWeights:
         return BlockWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))

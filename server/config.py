@@ -49,7 +49,11 @@ class EngineConfig:
     min_new_token_ratio: float = opt(0.1, "floor the reserve ratio decays to")
     new_token_ratio_decay_steps: int = opt(600, "decode steps to decay the reserve ratio from init to min")
     seed: int = opt(0, "seed for requests that bring none")
-    num_threads: int | None = opt(None, "torch CPU threads (default: all cores)")
+    num_threads: int | None = opt(None, "torch CPU threads of each tensor-parallel rank (default: the cores shared evenly)")
+    tp_size: int = opt(1, "tensor-parallel ranks: processes (one GPU each on CUDA) that each hold 1/N of every layer's "
+                          "heads and features; must divide the model's query and KV heads")
+    tp_timeout: float = opt(120.0, "seconds tensor-parallel ranks wait for each other in a collective before the "
+                                   "server fails (and exits) rather than hang")
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for values that can never work."""
@@ -64,6 +68,8 @@ class EngineConfig:
             ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f">= page_size ({self.page_size})"),
             ("context_length", self.context_length is None or self.context_length >= 2, ">= 2"),
+            ("tp_size", self.tp_size >= 1, ">= 1"),
+            ("tp_timeout", self.tp_timeout > 0, "> 0"),
             ("min_new_token_ratio", 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,
              "0 <= min_new_token_ratio <= init_new_token_ratio <= 1"),
         ]

@@ -36,9 +36,11 @@ from tandem.server.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
 from tandem.server.intake import Intake, RequestStream
 from tandem.server.kv_pool import kv_layout, num_kv_pages
 from tandem.server.memory import KVMemory
-from tandem.server.model import LoadedModel, load_model
+from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
 from tandem.server.outputs import CompletedOutput
 from tandem.server.output_processor import OutputProcessor
+from tandem.server.parallel.group import threads_per_rank
+from tandem.server.parallel.workers import RankPool, RankSpec
 from tandem.server.request import Bootstrap, Finish
 from tandem.server.runner import ModelRunner
 from tandem.server.sampling_params import SamplingParams
@@ -59,9 +61,16 @@ class Engine:
         config.validate()
         disagg = disagg or DisaggConfig()
         disagg.validate()
+        if config.tp_size > 1 and disagg.role != "colocated":
+            raise ValueError(f"--tp-size={config.tp_size} with --role={disagg.role}: tensor-parallel prefill and "
+                             "decode servers are not supported yet; run them with --tp-size 1")
+        if config.tp_size > 1 and model is not None:
+            raise ValueError(f"--tp-size={config.tp_size}: the engine loads every rank's share itself; pass no model")
         self.config = config
         self.observer = observer or StatsObserver()
         self.inbox = Inbox()
+        self.failure: str | None = None  # why the loop failed (a lost tensor-parallel rank), None while it has not
+        self.ranks: RankPool | None = None  # tensor-parallel ranks 1..N-1, with --tp-size > 1
         self._started = False
         self._go = threading.Event()  # set by start() or shutdown(): the built engine thread goes on
         built: Future = Future()
@@ -72,19 +81,27 @@ class Engine:
 
     def _build(self, model: LoadedModel | None, disagg: DisaggConfig, host: str, port: int | None) -> None:
         config = self.config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if config.num_threads or config.tp_size > 1:
+            torch.set_num_threads(threads_per_rank(config.num_threads, config.tp_size))
+        if config.tp_size > 1:
+            self.ranks = RankPool(RankSpec(config.model, config.dtype, config.prefill_dtype, config.device,
+                                           config.attention_backend, config.page_size, config.num_threads,
+                                           config.tp_size, 0, config.tp_timeout), resolve_device(config.device))
+            model = load_model(config.model, config.dtype, config.device, config.prefill_dtype,
+                               Shard(0, config.tp_size), self.ranks.group.all_reduce)
         self.model = model or load_model(config.model, config.dtype, config.device, config.prefill_dtype)
-        mc = self.model.config
+        mc, lc = self.model.config, self.model.module.config  # the whole model; this rank's heads
         self.tokenizer = self.model.tokenizer
         self.context_length = config.context_length or mc.max_position_embeddings
         self.eos_token_ids = self.model.eos_token_ids
         num_pages = num_kv_pages(config, self.model, self.context_length)
         self.kv_cache = PagedKVCache(
-            mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim, self.model.compute_dtype, self.model.device
+            mc.num_layers, num_pages, config.page_size, lc.num_kv_heads, mc.head_dim, self.model.compute_dtype, self.model.device
         )
+        if self.ranks is not None:
+            self.ranks.build(num_pages, self._fail)
         self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache)
-        self.runner = ModelRunner(self.model.module, self.kv_cache, config.attention_backend)
+        self.runner = ModelRunner(self.model.module, self.kv_cache, config.attention_backend, self.ranks)
         self.connector = create_connector(disagg, host, port, self.kv_layout(), self.kv_cache, self.memory,
                                           self._wake, self.observer.on_kv_transfer)
         self.scheduler = Scheduler(self._scheduler_config(), self.memory)
@@ -199,6 +216,14 @@ class Engine:
         """No request left, and nothing the KV connector must finish or tell its peers first."""
         return self.call(lambda: not self.scheduler.has_work() and not len(self.outputs) and self.connector.drained())
 
+    def _fail(self, reason: str) -> None:
+        """From any thread: the engine cannot go on (a tensor-parallel rank is gone). The loop
+        stops and every open request ends with an error naming `reason`."""
+        if self.failure is None:
+            self.failure = reason
+            log.error("engine failing: %s", reason)
+        self.inbox.stop()
+
     def _wake(self) -> None:
         """From any thread: make the loop look at its connector now."""
         try:
@@ -215,6 +240,8 @@ class Engine:
             self.inbox.close()
             if hasattr(self, "connector"):  # a prefill's bootstrap service may already listen
                 self.connector.close()
+            if self.ranks is not None:
+                self.ranks.close()
             built.set_exception(e)
             return
         built.set_result(None)
@@ -222,7 +249,8 @@ class Engine:
         try:
             while self._started and self._apply_inbox(self._idle_timeout()):
                 self.step()
-        except BaseException:
+        except BaseException as e:
+            self.failure = self.failure or f"engine loop crashed: {type(e).__name__}: {e}"
             log.exception("engine loop crashed")
             raise
         finally:
@@ -237,14 +265,19 @@ class Engine:
             if finished:
                 self.connector.poll(finished, 0)  # what it asks of a stopped loop is moot
             self.connector.close()
+            if self.ranks is not None:
+                self.ranks.close()
         except Exception:  # the streams below must end whatever happened to the loop
-            log.exception("closing the KV connector failed")
+            log.exception("closing the KV connector or the tensor-parallel ranks failed")
         for message in left:
             if isinstance(message, Add):
                 self.outputs.open(message.stream)
             elif isinstance(message, Call):
                 message.future.set_exception(RuntimeError("the engine is shut down"))
-        self.outputs.close_all("engine stopped")
+        if self.failure:  # the server failed them: an error, not a client's abort
+            self.outputs.close_all(f"the server failed: {self.failure}", "internal")
+        else:
+            self.outputs.close_all("engine stopped")
 
     def _idle_timeout(self) -> float | None:
         """How long the loop may wait for inbox traffic: 0 when the scheduler has work."""
@@ -284,6 +317,8 @@ class Engine:
             try:
                 out = self.runner.execute(plan)
             except Exception as e:  # keep serving: fail this step's requests, not the engine
+                if self.ranks is not None:  # unless ranks may now disagree about the KV cache
+                    raise
                 log.exception("forward pass failed")
                 for seq in plan.seqs:
                     self.scheduler.abort(seq.rid, f"forward pass failed: {type(e).__name__}: {e}", "internal")

@@ -14,7 +14,7 @@ from tandem.server.model import LoadedModel
 def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) -> int:
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
-    mc = model.config
+    mc = model.module.config  # this tensor-parallel rank's KV heads
     per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.compute_dtype)
     budget = int(free_memory_bytes(model.device) * config.kv_memory_fraction)
     # Never more than the context length times the slot count: the rest could never be used.

@@ -104,10 +104,12 @@ class OutputProcessor:
         for live in [lv for lv in self._live.values() if lv.stream.request.finished]:
             self.publish(live.stream.request)
 
-    def close_all(self, error: str) -> None:
-        """The engine stopped: end every open stream with finish_reason abort."""
+    def close_all(self, error: str, code: str | None = None) -> None:
+        """The engine stopped: end every open stream with finish_reason abort (`code`: the gRPC
+        status name when the server failed them, None for a shutdown)."""
         for live in list(self._live.values()):
-            self._close(live, StreamOutput(live.stream.rid, [], "", 0, 0, 0, True, "abort", error=error))
+            self._close(live, StreamOutput(live.stream.rid, [], "", 0, 0, 0, True, "abort", error=error,
+                                           error_code=code))
 
     def _close(self, live: _Live, final: StreamOutput) -> None:
         live.stream.close(final)

@@ -1,47 +1,83 @@
-"""The model runner: turns a StepPlan into tensors, runs the forward pass and samples."""
+"""The model runner: turns a StepPlan into tensors, runs the forward pass and samples.
+
+With tensor parallelism the runner is rank 0's: each forward pass's `ForwardInputs` go to the
+other ranks (`peers`) first, every rank runs `forward_pass` over its heads, and rank 0 alone
+computes logits and samples.
+"""
 
 from __future__ import annotations
 
+import pickle
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
-from tandem.kernels.attention import AttentionBatch, create_backend
+from tandem.kernels.attention import AttentionBackend, AttentionBatch, create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.sampling import SamplingRow, sample
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.plan import StepOutput, StepPlan
 
 
-class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, attention_backend: str = "auto"):
-        self.model = model
-        self.kv_cache = kv_cache
-        self.device = kv_cache.device
-        c = model.config
-        self.attn = create_backend(attention_backend, kv_cache, c.num_heads, c.head_dim)
+@dataclass
+class ForwardInputs:
+    """One forward pass at token level: all that a rank needs to run its layers (no sampling)."""
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    input_ids: list[int]  # every token of the pass, sequence after sequence
+    positions: list[int]  # position of each token
+    slots: list[int]  # flat KV slot (page * page_size + offset) each token's K and V go to
+    q_lens: list[int]  # tokens per sequence
+    kv_lens: list[int]  # tokens with KV per sequence after the pass
+    page_tables: list[list[int]]  # pages covering each sequence's [0, kv_len)
+    num_extends: int  # sequences [0, num_extends) are prompt pieces
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "ForwardInputs":
         P = plan.page_size
         input_ids, positions, slots = [], [], []
         for seq in plan.seqs:
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.kv_len))
             slots.extend(flat_slots(seq.pages, seq.start_pos, seq.kv_len, P))
-        dev = self.device
-        batch = AttentionBatch(
-            q_lens=[len(s.token_ids) for s in plan.seqs],
-            kv_lens=[s.kv_len for s in plan.seqs],
-            page_tables=[s.pages[: -(-s.kv_len // P)] for s in plan.seqs],
-            num_extends=plan.num_extends,
-            out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-        )
-        self.attn.prepare(batch)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.attn,
-        )
+        return cls(input_ids, positions, slots, [len(s.token_ids) for s in plan.seqs], [s.kv_len for s in plan.seqs],
+                   [s.pages[: -(-s.kv_len // P)] for s in plan.seqs], plan.num_extends)
+
+
+def forward_pass(model: LlamaForCausalLM, attn: AttentionBackend, inputs: ForwardInputs,
+                 device: torch.device) -> torch.Tensor:
+    """Run the model's layers over `inputs` (writing their KV) -> final hidden states [T, hidden]."""
+    attn.prepare(AttentionBatch(inputs.q_lens, inputs.kv_lens, inputs.page_tables, inputs.num_extends,
+                                torch.tensor(inputs.slots, dtype=torch.long, device=device)))
+    return model(torch.tensor(inputs.input_ids, dtype=torch.long, device=device),
+                 torch.tensor(inputs.positions, dtype=torch.long, device=device), attn)
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks, as rank 0's runner sees them."""
+
+    def send(self, message: bytes) -> None:
+        """Hand every other rank the next forward pass (pickled ForwardInputs)."""
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, attention_backend: str = "auto",
+                 peers: Peers | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.peers = peers
+        c = model.config
+        self.attn = create_backend(attention_backend, kv_cache, c.num_heads, c.head_dim)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        inputs = ForwardInputs.of(plan)
+        if self.peers is not None:
+            self.peers.send(pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL))
+        hidden = forward_pass(self.model, self.attn, inputs, self.device)
         # Only the last position of each sequence that samples needs logits.
+        dev = self.device
         ends, last_rows = 0, []
         for i, seq in enumerate(plan.seqs):
             ends += len(seq.token_ids)

@@ -4,7 +4,9 @@ service and Prometheus `/metrics`.
 Lifecycle: load the model (nothing listens yet, so clients see UNAVAILABLE) -> serve (health
 SERVING) -> on SIGTERM or SIGINT drain: new requests get UNAVAILABLE, health turns NOT_SERVING,
 in-flight requests get `drain_grace_seconds` to finish (a prefill also tells its decode peers it
-is leaving; a decode tells its prefill peers when it exits), the rest are aborted, exit 0.
+is leaving; a decode tells its prefill peers when it exits), the rest are aborted, exit 0. When
+the engine fails (a tensor-parallel rank dies), health turns NOT_SERVING at once, in-flight
+requests end with INTERNAL and the process exits 1, so that Kubernetes restarts the pod.
 """
 
 from __future__ import annotations
@@ -109,9 +111,25 @@ class Server:
         self.metrics_server[0].shutdown()
         self._stopped.set()
 
-    def wait(self) -> None:
-        while not self._stopped.wait(0.5):
-            pass
+    def wait(self) -> int:
+        """Until the server has stopped: 0 after a drain, 1 when the engine failed (a lost
+        tensor-parallel rank), which the exit status reports so that the pod restarts."""
+        while not self._stopped.wait(0.2):
+            if self.engine.failure and not self.state.draining:
+                self._fail()
+        return 1 if self.engine.failure else 0
+
+    def _fail(self) -> None:
+        """The engine failed: health NOT_SERVING at once, new requests refused; the open ones have
+        ended with an error already (the engine closed them), so stop without a grace period."""
+        log.error("stopping: %s", self.engine.failure)
+        self.state.drain()
+        for service in ("", "sglang.grpc.scheduler.SglangScheduler"):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.engine.shutdown()
+        self.grpc.stop(grace=2.0).wait()
+        self.metrics_server[0].shutdown()
+        self._stopped.set()
 
 
 def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, tokenizer_path: str, engine) -> dict:
@@ -136,7 +154,7 @@ def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, to
         "disaggregation_bootstrap_port": disagg.bootstrap_port,
         "disaggregation_ib_device": disagg.ib_device,
         "kv_transfer_protocol": disagg.kv_transfer_protocol,
-        "tp_size": 1,
+        "tp_size": c.tp_size,
         "dp_size": 1,
         "pp_size": 1,
         "is_embedding": False,
@@ -150,6 +168,6 @@ def run(engine_config: EngineConfig, config: ServeConfig, disagg: DisaggConfig) 
     server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
-    server.wait()
-    log.info("stopped")
-    return 0
+    code = server.wait()
+    log.info("stopped" if code == 0 else "stopped after a failure")
+    return code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -13,6 +14,7 @@ from tandem.kernels.linear import onednn_supports
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import ModelLoadError, ModelSource, load_block_weights, load_weights, resolve_model
+from tandem.server.model.shard import Shard
 
 log = logging.getLogger("tandem.model")
 
@@ -24,10 +26,11 @@ class LoadedModel:
     source: ModelSource
     config: ModelConfig
     module: LlamaForCausalLM
-    tokenizer: object  # a transformers tokenizer
+    tokenizer: object  # a transformers tokenizer (None on tensor-parallel ranks other than 0)
     dtype: torch.dtype  # precision of the weights (--dtype)
     compute_dtype: torch.dtype  # what the math and the KV cache use: dtype, or float32 where dtype is emulated
     device: torch.device
+    shard: Shard = Shard()  # which tensor-parallel rank's share `module` holds (config: the whole model's)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -113,13 +116,16 @@ def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, devi
     return "float32", "auto: no native bfloat16 on this CPU"
 
 
-def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto") -> LoadedModel:
+def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto", shard: Shard = Shard(),
+               all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LoadedModel:
+    """`shard`, `all_reduce`: load one tensor-parallel rank's share (`tandem.server.model.shard`)."""
     from tandem.server.tokenizer import load_tokenizer
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is invalid: choose auto or one of {', '.join(DTYPES)}")
     source = resolve_model(model)
     config, weights = load_weights(source)
+    shard.check(config)
     dev = resolve_device(device)
     blocks = load_block_weights(source, config) if dev.type == "cpu" else {}
     asked = dtype
@@ -129,12 +135,15 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto")
         why += f"; float32 math and KV cache: this CPU has no native {dtype} instructions"
     prefill, prefill_why = resolve_prefill_dtype(prefill_dtype, asked, dtype, dev)
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute, blocks=blocks,
-                              prefill_dtype=DTYPES[prefill] if prefill != dtype else None)
+                              prefill_dtype=DTYPES[prefill] if prefill != dtype else None, shard=shard,
+                              all_reduce=all_reduce)
+    if shard.rank:
+        return LoadedModel(source, config, module, None, DTYPES[dtype], compute, dev, shard)
     log.info("%s on %s: %s weights (%s); batched projections in %s (%s); projections: %s; CPU flags: %s",
              source.name, dev, dtype, why, prefill, prefill_why, module.lm_head.describe(),
              " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-")
-    return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev)
+    return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev, shard)
 
 
-__all__ = ["LoadedModel", "ModelConfig", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
+__all__ = ["LoadedModel", "ModelConfig", "Shard", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
            "resolve_prefill_dtype", "compute_dtype_for", "cpu_flags", "DTYPES"]

@@ -12,6 +12,7 @@ kernels.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from tandem.kernels.block_linear import BlockWeights
 from tandem.kernels.layer_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ModelConfig
+from tandem.server.model.shard import Shard, shard_model
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Tensor:
@@ -45,11 +47,15 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor], blocks: dict[str, BlockWeights],
-                 prefill_dtype: torch.dtype | None = None):
+                 prefill_dtype: torch.dtype | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+        """`config`: this rank's share of the model; `all_reduce` sums o's and down's partial
+        outputs over the tensor-parallel ranks (the identity for one rank)."""
         super().__init__()
         p = f"model.layers.{index}."
         self.index = index
         self.config = config
+        self.all_reduce = all_reduce
 
         def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
             """One projection over the row-concatenation of `names`' weights."""
@@ -81,8 +87,8 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
-        h, x = add_rms_norm(h, self.o(o.reshape(-1, c.q_size)), self.post_norm, c.rms_norm_eps)
-        return h, self.down(silu_mul(self.gate_up(x)))
+        h, x = add_rms_norm(h, self.all_reduce(self.o(o.reshape(-1, c.q_size))), self.post_norm, c.rms_norm_eps)
+        return h, self.all_reduce(self.down(silu_mul(self.gate_up(x))))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,25 +101,35 @@ class LlamaForCausalLM(nn.Module):
         compute_dtype: torch.dtype | None = None,
         blocks: dict[str, BlockWeights] | None = None,
         prefill_dtype: torch.dtype | None = None,
+        shard: Shard = Shard(),
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         """Weights are rounded to `dtype` and held (and computed with) in `compute_dtype`
         (default: `dtype`). `blocks`: the block-quantized form of some weights (the loader's
         `load_block_weights`), used only where the weights stay float32, on the CPU. `prefill_dtype`:
-        where the weights stay float32 on the CPU, the dtype of products over many rows (`Linear`)."""
+        where the weights stay float32 on the CPU, the dtype of products over many rows (`Linear`).
+        `shard`: which tensor-parallel rank this is (`tandem.server.model.shard`): `config` then
+        describes the rank's own heads and features, `all_reduce` sums the row-parallel outputs
+        across the ranks, and only rank 0 has an lm_head."""
         super().__init__()
-        self.config = config
         compute_dtype = compute_dtype or dtype
-        w = {k: v.to(dtype=dtype).to(compute_dtype).to(device) for k, v in weights.items() if k != "rope_freqs"}
-        self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         if dtype != torch.float32 or compute_dtype != torch.float32 or torch.device(device).type != "cpu":
             blocks = None
-        blocks = blocks or {}
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype) for i in range(config.num_layers))
+        config, weights, blocks = shard_model(config, weights, blocks or {}, shard)
+        self.config = config
+        self.shard = shard
+        if shard.size > 1 and all_reduce is None:
+            raise ValueError(f"tensor-parallel rank {shard.rank} of {shard.size} needs an all_reduce")
+        self.all_reduce = all_reduce or (lambda t: t)
+        w = {k: v.to(dtype=dtype).to(compute_dtype).to(device) for k, v in weights.items() if k != "rope_freqs"}
+        self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype, self.all_reduce)
+                                    for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,
         # the logits GEMM its own layout.
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype)
+        self.lm_head = Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype) if shard.rank == 0 else None
         self.register_buffer("inv_freq", rope_inv_freq(config, weights.get("rope_freqs")), persistent=False)
         self.to(device)
 

@@ -1,0 +1,56 @@
+"""The collectives between the tensor-parallel ranks of one server.
+
+The backend is chosen here and nowhere else: gloo for CPU ranks (what the tests run), NCCL for
+CUDA ranks, one GPU per rank. Every collective is bounded by the group's timeout: a rank that
+stops answering turns into an error on the others, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for ranks on `device`."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Where rank `rank` computes: GPU `rank` on CUDA (one GPU per rank), the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def threads_per_rank(num_threads: int | None, size: int) -> int:
+    """torch threads each rank runs: `num_threads` when given, else the cores shared evenly."""
+    return num_threads or max(1, (os.cpu_count() or 1) // size)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ProcessGroup:
+    """This process's membership in the server's rank group. `join` blocks until every rank has
+    joined (or the timeout passes)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, port: int, timeout: float):
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.backend = backend_for(device)
+        dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout))
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place; every rank gets the same bits."""
+        dist.all_reduce(t)
+        return t
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

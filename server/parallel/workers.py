@@ -1,0 +1,165 @@
+"""The tensor-parallel ranks other than 0, and rank 0's handle on them (`RankPool`).
+
+Start-up: rank 0 starts ranks 1..N-1 (`python -m tandem.server.parallel.workers`, each with one
+end of a socket pair as its pipe, so nothing of the caller's `__main__` runs again); every rank joins the process group and loads its share of
+the model; rank 0 sizes the KV pool and `build(num_pages)` has each rank allocate that many pages
+over its own KV heads and answer ready. Then a forward pass is one message down a pipe to each
+rank (`send`); the all-reduces inside the pass keep the ranks in step. Closing the pipes stops them.
+
+Failure: a rank that exits (a crash, an OOM kill) is seen at once by rank 0's watcher thread,
+which calls `on_lost`. When rank 0 dies, the pipes close and the collectives break, and the other
+ranks exit non-zero. A collective that waits longer than the group's timeout raises on every rank
+still alive. A rank process never outlives rank 0: it reads its pipe to the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import torch
+
+from tandem.server.parallel.group import ProcessGroup, free_port, rank_device, threads_per_rank
+
+log = logging.getLogger("tandem.tp")
+
+# How long rank 0 waits for another rank to load its share and allocate its KV pages.
+READY_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process needs to build its share of the server (from EngineConfig)."""
+
+    model: str
+    dtype: str
+    prefill_dtype: str
+    device: str
+    attention_backend: str
+    page_size: int
+    num_threads: int | None
+    size: int
+    port: int  # rank 0's rendezvous port on 127.0.0.1
+    timeout: float  # seconds any collective may wait
+
+
+class RankPool:
+    """Rank 0's handle on ranks 1..size-1. Construction spawns them and joins the process group
+    with them (`group`, which rank 0's model reduces over)."""
+
+    def __init__(self, spec: RankSpec, device: torch.device):
+        spec = replace(spec, port=spec.port or free_port())
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen] = []
+        self._closing = False
+        for rank in range(1, spec.size):
+            ours, theirs = socket.socketpair()
+            with theirs:
+                proc = subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()])
+            conn = Connection(ours.detach())
+            conn.send(spec)
+            self._conns.append(conn)
+            self._procs.append(proc)
+        try:
+            self.group = ProcessGroup(0, spec.size, device, spec.port, spec.timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def size(self) -> int:
+        return len(self._procs) + 1
+
+    def build(self, num_pages: int, on_lost: Callable[[str], None]) -> None:
+        """Every rank allocates `num_pages` KV pages and answers ready; from then on a rank that
+        exits is reported to `on_lost` (from a watcher thread) with a line naming it."""
+        for conn in self._conns:
+            conn.send(("pool", num_pages))
+        deadline = time.monotonic() + READY_TIMEOUT
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            while not conn.poll(0.1):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.returncode} while loading")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} was not ready within {READY_TIMEOUT:.0f}s")
+            reply = conn.recv()
+            if reply[0] != "ready":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc, on_lost), name=f"tandem-tp{rank}-watch",
+                             daemon=True).start()
+
+    def send(self, message: bytes) -> None:
+        """The next forward pass, to every other rank (raises when one is gone)."""
+        for conn in self._conns:
+            conn.send_bytes(message)
+
+    def _watch(self, rank: int, proc: subprocess.Popen, on_lost: Callable[[str], None]) -> None:
+        code = proc.wait()
+        if not self._closing:
+            on_lost(f"tensor-parallel rank {rank} exited with code {code}")
+
+    def close(self) -> None:
+        """Stop the other ranks (closing their pipes ends their loops) and leave the group."""
+        self._closing = True
+        for conn in self._conns:
+            conn.close()
+        deadline = time.monotonic() + 10.0
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if hasattr(self, "group"):
+            self.group.close()
+
+
+def run_rank(rank: int, conn: Connection) -> None:
+    """Main of rank `rank` >= 1: build its share, then run each forward pass rank 0 sends."""
+    from tandem.kernels.attention import create_backend
+    from tandem.kernels.kv_cache import PagedKVCache
+    from tandem.server.model import Shard, load_model, resolve_device
+    from tandem.server.runner import forward_pass
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    try:
+        spec: RankSpec = conn.recv()
+        torch.set_num_threads(threads_per_rank(spec.num_threads, spec.size))
+        device = rank_device(resolve_device(spec.device), rank)
+        group = ProcessGroup(rank, spec.size, device, spec.port, spec.timeout)
+        model = load_model(spec.model, spec.dtype, str(device), spec.prefill_dtype, Shard(rank, spec.size),
+                           group.all_reduce)
+        _, num_pages = conn.recv()
+        c = model.module.config
+        kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.num_kv_heads, c.head_dim, model.compute_dtype,
+                          model.device)
+        attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim)
+        conn.send(("ready",))
+    except BaseException as e:
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        raise
+    with torch.inference_mode():
+        while True:
+            try:
+                message = conn.recv_bytes()
+            except EOFError:  # rank 0 closed the pipe: the server is stopping (or gone)
+                break
+            forward_pass(model.module, attn, pickle.loads(message), model.device)
+    group.close()
+
+
+if __name__ == "__main__":
+    run_rank(int(sys.argv[1]), Connection(int(sys.argv[2])))
