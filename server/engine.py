@@ -317,8 +317,10 @@ class Engine:
             try:
                 out = self.runner.execute(plan)
             except Exception as e:  # keep serving: fail this step's requests, not the engine
-                if self.ranks is not None:  # unless ranks may now disagree about the KV cache
-                    raise
+                if self.ranks is not None:  # unless the ranks may now disagree about the KV cache
+                    log.exception("forward pass failed across the tensor-parallel ranks")
+                    self._fail(self.ranks.explain(e))
+                    return
                 log.exception("forward pass failed")
                 for seq in plan.seqs:
                     self.scheduler.abort(seq.rid, f"forward pass failed: {type(e).__name__}: {e}", "internal")

@@ -103,6 +103,18 @@ class RankPool:
         for conn in self._conns:
             conn.send_bytes(message)
 
+    def explain(self, error: BaseException, wait: float = 2.0) -> str:
+        """Why a forward pass failed with `error`: the rank that exited (waiting up to `wait`
+        seconds for one to, since a broken collective usually means a rank is going), else the error."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, proc in enumerate(self._procs, start=1):
+                if proc.poll() is not None:
+                    return f"tensor-parallel rank {rank} exited with code {proc.returncode}"
+            if time.monotonic() > deadline:
+                return f"a tensor-parallel collective failed: {type(error).__name__}: {error}"
+            time.sleep(0.05)
+
     def _watch(self, rank: int, proc: subprocess.Popen, on_lost: Callable[[str], None]) -> None:
         code = proc.wait()
         if not self._closing:
