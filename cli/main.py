@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--hf-batch-size", type=int, default=16)
     off.add_argument("--workload-seed", type=int, default=1)
     off.add_argument("--skip-hf", action="store_true", help="run tandem only")
+    off.add_argument("--compare-tp", type=int, metavar="N", help="run tandem at --tp-size 1 and N instead of HF, and "
+                     "report the collectives' cost per step")
     add_arguments(off, EngineConfig)
     off.set_defaults(func=cmd_bench_offline)
 

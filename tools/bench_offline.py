@@ -2,6 +2,10 @@
 HF transformers static batches (the baseline), same weights and dtype. Prints output tokens/s
 for each and the ratio, as a table and as one JSON line.
 
+`--compare-tp N` runs the workload at --tp-size 1 and N instead (no HF) and reports, per forward
+step, what tensor parallelism costs rank 0: time in all-reduces (the transfer and the wait for the
+slowest rank) and time handing each pass to the other ranks.
+
 Every request generates exactly its drawn output length (greedy, EOS ignored). HF runs batches
 of `--hf-batch-size` in arrival order, left-padded, each until its longest request is done; only
 the requested tokens count towards its throughput.
@@ -45,17 +49,26 @@ def run_tandem(config: EngineConfig, work) -> dict:
         elapsed = time.perf_counter() - start
         steps = engine.call(lambda: engine.scheduler.stats.forward_steps)
         dtype = str(engine.model.dtype).removeprefix("torch.")
+        ranks = engine.ranks
+        tp = None if ranks is None else (ranks.group.calls, ranks.group.seconds, ranks.sends, ranks.send_seconds)
     tokens = sum(len(r.output_ids) for r in results)
     assert tokens == sum(n for _, n in work), "tandem produced the wrong number of tokens"
     ttft = sorted(r.time_to_first_token for r in results)
-    return {
+    result = {
+        "tp_size": config.tp_size,
         "output_tokens": tokens,
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(tokens / elapsed, 1),
         "forward_steps": steps,
+        "ms_per_step": round(1000 * elapsed / steps, 2),
         "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
         "dtype": dtype,
     }
+    if tp is not None:  # counted since start-up, warm-up included: per step of all of them
+        calls, seconds, sends, send_seconds = tp
+        result.update(all_reduces_per_step=round(calls / sends, 1), all_reduce_ms_per_step=round(1000 * seconds / sends, 2),
+                      send_ms_per_step=round(1000 * send_seconds / sends, 3))
+    return result
 
 
 def run_hf(config: EngineConfig, work, batch_size: int, dtype: str) -> dict:
@@ -91,6 +104,22 @@ def run_hf(config: EngineConfig, work, batch_size: int, dtype: str) -> dict:
     return {"output_tokens": tokens, "seconds": round(elapsed, 2), "tokens_per_s": round(tokens / elapsed, 1)}
 
 
+def compare_tp(config: EngineConfig, work, size: int, result: dict) -> int:
+    """The workload at --tp-size 1 and `size`, one after the other in this run."""
+    from dataclasses import replace
+
+    for tp in (1, size):
+        result[f"tp{tp}"] = run_tandem(replace(config, tp_size=tp), work)
+        print(f"tp {tp}: {result[f'tp{tp}']}", flush=True)
+    one, many = result["tp1"], result[f"tp{size}"]
+    result["step_time_ratio"] = round(many["ms_per_step"] / one["ms_per_step"], 2)
+    print(f"tp {size} / tp 1 step time = {result['step_time_ratio']}x; rank 0 spends "
+          f"{many['all_reduce_ms_per_step']} ms per step in {many['all_reduces_per_step']} all-reduces and "
+          f"{many['send_ms_per_step']} ms handing the step to the other ranks", flush=True)
+    print(json.dumps(result))
+    return 0
+
+
 def run(config: EngineConfig, args) -> int:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -103,6 +132,8 @@ def run(config: EngineConfig, args) -> int:
         flush=True,
     )
     result = {"bench": "offline", "dtype": config.dtype, "num_requests": len(work)}
+    if args.compare_tp:
+        return compare_tp(config, work, args.compare_tp, result)
     result["tandem"] = run_tandem(config, work)
     print(f"tandem: {result['tandem']}", flush=True)
     if not args.skip_hf:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -42,13 +43,17 @@ class ProcessGroup:
 
     def __init__(self, rank: int, size: int, device: torch.device, port: int, timeout: float):
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.calls, self.seconds = 0, 0.0  # all-reduces so far, and the time spent in them (benchmarks)
         self.backend = backend_for(device)
         dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; every rank gets the same bits."""
+        start = time.perf_counter()
         dist.all_reduce(t)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
         return t
 
     def close(self) -> None:

@@ -60,6 +60,7 @@ class RankPool:
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
         self._closing = False
+        self.sends, self.send_seconds = 0, 0.0  # forward passes handed out, and the time it took (benchmarks)
         for rank in range(1, spec.size):
             ours, theirs = socket.socketpair()
             with theirs:
@@ -100,8 +101,11 @@ class RankPool:
 
     def send(self, message: bytes) -> None:
         """The next forward pass, to every other rank (raises when one is gone)."""
+        start = time.perf_counter()
         for conn in self._conns:
             conn.send_bytes(message)
+        self.send_seconds += time.perf_counter() - start
+        self.sends += 1
 
     def explain(self, error: BaseException, wait: float = 2.0) -> str:
         """Why a forward pass failed with `error`: the rank that exited (waiting up to `wait`
