@@ -30,7 +30,7 @@ import torch
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig, EngineConfig
-from tandem.server.disagg.connector import create_connector
+from tandem.server.disagg.connector import advertise_host, create_connector
 from tandem.server.disagg.layout import KVLayout
 from tandem.server.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
 from tandem.server.intake import Intake, RequestStream
@@ -61,9 +61,6 @@ class Engine:
         config.validate()
         disagg = disagg or DisaggConfig()
         disagg.validate()
-        if config.tp_size > 1 and disagg.role != "colocated":
-            raise ValueError(f"--tp-size={config.tp_size} with --role={disagg.role}: tensor-parallel prefill and "
-                             "decode servers are not supported yet; run them with --tp-size 1")
         if config.tp_size > 1 and model is not None:
             raise ValueError(f"--tp-size={config.tp_size}: the engine loads every rank's share itself; pass no model")
         self.config = config
@@ -86,7 +83,9 @@ class Engine:
         if config.tp_size > 1:
             self.ranks = RankPool(RankSpec(config.model, config.dtype, config.prefill_dtype, config.device,
                                            config.attention_backend, config.page_size, config.num_threads,
-                                           config.tp_size, 0, config.tp_timeout), resolve_device(config.device))
+                                           config.tp_size, 0, config.tp_timeout, disagg.role,
+                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise_host(disagg, host)),
+                                  resolve_device(config.device))
             model = load_model(config.model, config.dtype, config.device, config.prefill_dtype,
                                Shard(0, config.tp_size), self.ranks.group.all_reduce)
         self.model = model or load_model(config.model, config.dtype, config.device, config.prefill_dtype)
@@ -103,7 +102,7 @@ class Engine:
         self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache)
         self.runner = ModelRunner(self.model.module, self.kv_cache, config.attention_backend, self.ranks)
         self.connector = create_connector(disagg, host, port, self.kv_layout(), self.kv_cache, self.memory,
-                                          self._wake, self.observer.on_kv_transfer)
+                                          self._wake, self.observer.on_kv_transfer, self.ranks)
         self.scheduler = Scheduler(self._scheduler_config(), self.memory)
         self.intake = Intake(config, self.tokenizer, mc.vocab_size, self.context_length, self.memory.total_tokens,
                              self.eos_token_ids, self.connector.max_new_tokens)

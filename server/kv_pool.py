@@ -33,7 +33,8 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_layout(model: LoadedModel, kv: PagedKVCache) -> KVLayout:
-    """What a disaggregated peer must share with this engine to exchange KV pages."""
+    """What a disaggregated peer must share with this engine to exchange KV pages: the whole
+    model's pool, whichever share of its KV heads this tensor-parallel rank holds."""
     mc = model.config
     shape = f"L{mc.num_layers}-H{mc.num_heads}-KV{mc.num_kv_heads}-D{mc.head_dim}-V{mc.vocab_size}"
     return KVLayout(
@@ -41,7 +42,7 @@ def kv_layout(model: LoadedModel, kv: PagedKVCache) -> KVLayout:
         kv_dtype=str(kv.dtype).removeprefix("torch."),
         page_size=kv.page_size,
         num_layers=kv.num_layers,
-        num_kv_heads=kv.num_kv_heads,
+        num_kv_heads=mc.num_kv_heads,
         head_dim=kv.head_dim,
-        page_bytes=kv.page_bytes,
+        page_bytes=kv.page_bytes // kv.num_kv_heads * mc.num_kv_heads,
     )

@@ -1,9 +1,9 @@
 """The bootstrap service: how a decode server meets a prefill server (HTTP + JSON, port 8998).
 
 A prefill server runs one. A decode server (1) reads its KV layout and Mooncake session
-(`GET /v1/layout`), (2) registers its own KV pool and arrival-record buffer once
-(`POST /v1/peers`), then (3) per request registers the destination pages under the request's
-`bootstrap_room` (`POST /v1/rooms`). It polls room states (`POST /v1/status`), may cancel a
+(`GET /v1/layout`), (2) registers its own KV pool (one buffer per tensor-parallel rank, together
+holding every KV head once) and arrival-record buffer once (`POST /v1/peers`), then (3) per
+request registers the destination pages under the request's `bootstrap_room` (`POST /v1/rooms`). It polls room states (`POST /v1/status`), may cancel a
 room (`POST /v1/rooms/<room>/cancel`), checks the prefill is alive (`POST /v1/heartbeat`) and
 says goodbye when it shuts down (`POST /v1/peers/leave`); `GET /v1/peers` lists the decodes
 registered now. KV itself never passes through here: prefill writes it with Mooncake one-sided
@@ -159,10 +159,10 @@ class BootstrapClient:
         body = self._call("/v1/layout")
         return {**body, "layout": KVLayout.from_json(body["layout"])}
 
-    def add_peer(self, me: dict, session: str, layout: KVLayout, kv: KVBuffer, record_base: int) -> dict:
+    def add_peer(self, me: dict, session: str, layout: KVLayout, parts: list[KVBuffer], record_base: int) -> dict:
         """`me`: {"decode": name, "decode_instance": id}, sent with every call that names the decode."""
         return self._call("/v1/peers", {**me, "session": session, "layout": layout.to_json(),
-                                        "kv_base": kv.base, "num_pages": kv.num_pages, "record_base": record_base})
+                                        "kv_parts": [p.to_json() for p in parts], "record_base": record_base})
 
     def register(self, me: dict, room: int, request_id: str, prompt_len: int, digest: int,
                  pages: list[int], record_slot: int) -> dict:

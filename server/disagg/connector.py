@@ -16,14 +16,30 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
-from tandem.server.disagg.layout import KVLayout
+from tandem.server.disagg.layout import KVBuffer, KVLayout, Writes
 from tandem.server.memory import KVMemory
 from tandem.server.request import Finish, Request
+
+
+class OtherRanks(Protocol):
+    """Tensor-parallel ranks 1..N-1 of this server, as a connector on rank 0 sees them
+    (`tandem.server.parallel.workers.RankPool`)."""
+
+    parts: list[KVBuffer]  # their KV buffers, registered with their own Mooncake engines
+
+    def write(self, rank: int, writes: list[Writes]) -> Future:
+        """Have rank `rank` make `writes` from its buffer; the future ends when it has."""
+
+
+def own_part(transfer, kv_cache: PagedKVCache) -> KVBuffer:
+    """Rank 0's KV buffer, registered with its Mooncake engine: the first of the server's parts."""
+    return KVBuffer(transfer.register(kv_cache.buffer), kv_cache.num_pages, 0, kv_cache.num_kv_heads, transfer.session)
 
 
 @dataclass
@@ -101,22 +117,29 @@ class KVConnector:
         pass
 
 
+def advertise_host(disagg: DisaggConfig, host: str) -> str:
+    """The address peers reach this server's bootstrap service and Mooncake engines at."""
+    return disagg.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname()))
+
+
 def create_connector(disagg: DisaggConfig, host: str, port: int | None, layout: KVLayout, kv_cache: PagedKVCache,
-                     memory: KVMemory, wake: Callable[[], None], on_transfer: Callable[[float], None]) -> KVConnector:
+                     memory: KVMemory, wake: Callable[[], None], on_transfer: Callable[[float], None],
+                     ranks: OtherRanks | None = None) -> KVConnector:
     """The KV connector of `disagg.role`. A prefill's bootstrap service listens on `host`; peers
     reach this server at the advertised host, and a decode is named by it and its gRPC `port`
-    (a successor at the same address replaces its predecessor on each prefill)."""
+    (a successor at the same address replaces its predecessor on each prefill). `ranks`: the
+    server's other tensor-parallel ranks, whose KV heads move with rank 0's."""
     if disagg.role == "colocated":
         return KVConnector(on_transfer)
-    advertise = disagg.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname()))
+    advertise = advertise_host(disagg, host)
     if disagg.role == "prefill":
         from tandem.server.disagg.prefill import PrefillConnector
 
-        return PrefillConnector(disagg, host, advertise, layout, kv_cache, memory, wake, on_transfer)
+        return PrefillConnector(disagg, host, advertise, layout, kv_cache, memory, wake, on_transfer, ranks)
     from tandem.server.disagg.decode import DecodeConnector
 
     name = f"{advertise}:{port}" if port else None
-    return DecodeConnector(disagg, advertise, layout, kv_cache, memory, wake, on_transfer, name)
+    return DecodeConnector(disagg, advertise, layout, kv_cache, memory, wake, on_transfer, name, ranks)
 
 
 def deadline(seconds: float) -> float:

@@ -32,8 +32,8 @@ from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError
 from tandem.server.disagg.rooms import RoomState, new_instance_id
-from tandem.server.disagg.connector import ConnectorEvents, KVConnector, deadline
-from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch, prompt_digest
+from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
+from tandem.server.disagg.layout import KVLayout, LayoutMismatch, prompt_digest
 from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer
 from tandem.server.memory import KVMemory
 from tandem.server.request import Request
@@ -116,11 +116,12 @@ class DecodeConnector(KVConnector):
 
     def __init__(self, config: DisaggConfig, advertise_host: str, layout: KVLayout, kv_cache: PagedKVCache,
                  memory: KVMemory, wake: Callable[[], None], on_transfer: Callable[[float], None] = lambda seconds: None,
-                 name: str | None = None):
+                 name: str | None = None, ranks: OtherRanks | None = None):
         super().__init__(on_transfer)
         self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
-        self.kv = KVBuffer(self.transfer.register(kv_cache.buffer), kv_cache.num_pages)
+        # One buffer per tensor-parallel rank: each prefill rank writes its heads into whichever holds them.
+        self.parts = [own_part(self.transfer, kv_cache)] + (ranks.parts if ranks is not None else [])
         self.records = RecordBuffer(memory.slots.num_slots)  # request slot i receives its record in slot i
         self.transfer.register(self.records.tensor)
         # Who we are to the prefills: a stable name (a successor at the same address replaces us)
@@ -162,7 +163,7 @@ class DecodeConnector(KVConnector):
         """On a client thread: check the prefill's layout, then register our KV pool with it."""
         theirs = client.layout()["layout"]
         self.layout.check_compatible(theirs, here="on decode", there=f"on prefill {client.address}")
-        return client.add_peer(self.me, self.transfer.session, self.layout, self.kv, self.records.base)
+        return client.add_peer(self.me, self.transfer.session, self.layout, self.parts, self.records.base)
 
     def _known_peers(self) -> list[_Peer]:
         """Current registrations and retired ones that requests or quarantined pages still wait on."""

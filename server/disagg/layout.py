@@ -1,9 +1,12 @@
 """What a prefill and a decode server must agree on before KV pages can move between them, and
 where a page lives in memory. Pure Python: no torch, no Mooncake.
 
-Both KV pools are one contiguous buffer of shape [num_layers, 2 (K, V), num_pages, page_size,
-num_kv_heads, head_dim], so the bytes of (layer, kv, page) start at
-`base + ((layer * 2 + kv) * num_pages + page) * page_bytes`.
+A server's KV pool is one buffer per tensor-parallel rank (`KVBuffer`), each of shape
+[num_layers, 2 (K, V), num_pages, page_size, heads, head_dim] over the rank's own KV heads, so
+the bytes of (layer, kv, page) start at `base + ((layer * 2 + kv) * num_pages + page) *
+part_page_bytes`. Where a prefill rank and a decode rank hold the same heads, pages move whole;
+where their head splits differ (prefill tp 3 -> decode tp 1), each token's run of shared heads
+moves on its own.
 """
 
 from __future__ import annotations
@@ -19,13 +22,20 @@ class LayoutMismatch(ValueError):
 
 @dataclass(frozen=True)
 class KVLayout:
+    """The whole model's KV pool, whatever the tensor-parallel size of the server holding it."""
+
     model: str  # architecture and shape fingerprint: the same weights are the operator's promise
     kv_dtype: str
     page_size: int  # tokens per page
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # all of the model's KV heads
     head_dim: int
-    page_bytes: int  # bytes of one page of one layer's K (or V)
+    page_bytes: int  # bytes of one page of one layer's K (or V), all heads
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one token's K (or V) for one head."""
+        return self.page_bytes // (self.page_size * self.num_kv_heads)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -47,13 +57,46 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVBuffer:
-    """One side's registered KV pool: where page 0 of layer 0's K starts and how many pages."""
+    """One rank's registered share of a KV pool: heads [first_head, first_head + num_heads) of
+    every page, from `base` (page 0 of layer 0's K), reached through Mooncake `session`."""
 
     base: int
     num_pages: int
+    first_head: int
+    num_heads: int
+    session: str = ""
+
+    @property
+    def last_head(self) -> int:
+        return self.first_head + self.num_heads
+
+    def page_bytes(self, layout: KVLayout) -> int:
+        return layout.page_size * self.num_heads * layout.head_bytes
 
     def address(self, layout: KVLayout, layer: int, kv: int, page: int) -> int:
-        return self.base + ((layer * 2 + kv) * self.num_pages + page) * layout.page_bytes
+        return self.base + ((layer * 2 + kv) * self.num_pages + page) * self.page_bytes(layout)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "KVBuffer":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+def check_split(layout: KVLayout, parts: list[KVBuffer], where: str) -> None:
+    """Raise LayoutMismatch unless `parts` hold every KV head of `layout` once, in order, over the
+    same pages: a pool that any other head split can exchange pages with."""
+    heads = [(p.first_head, p.last_head) for p in parts]
+    expected = 0
+    for first, last in heads:
+        if first != expected or last <= first:
+            break
+        expected = last
+    if expected != layout.num_kv_heads or len({p.num_pages for p in parts}) != 1:
+        raise LayoutMismatch(f"the KV pool {where} is split into head ranges {heads} over "
+                             f"{[p.num_pages for p in parts]} pages: it must hold each of the model's "
+                             f"{layout.num_kv_heads} KV heads exactly once, over the same pages on every rank")
 
 
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -73,16 +116,59 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 def write_list(
     layout: KVLayout, src: KVBuffer, dst: KVBuffer, src_pages: list[int], dst_pages: list[int]
 ) -> tuple[list[int], list[int], list[int]]:
-    """Source addresses, destination addresses and lengths for copying `src_pages` onto
-    `dst_pages` in every layer's K and V, one entry per (run, layer, K|V)."""
+    """Source addresses, destination addresses and lengths for copying the heads both buffers
+    hold from `src_pages` onto `dst_pages`, in every layer's K and V: one entry per (run of
+    pages, layer, K|V) where both hold the same heads, else one per (page, layer, K|V, token)."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    first, last = max(src.first_head, dst.first_head), min(src.last_head, dst.last_head)
     srcs, dsts, lens = [], [], []
-    for s, d, n in page_runs(src_pages, dst_pages):
+    if first >= last:
+        return srcs, dsts, lens
+    if (src.first_head, src.num_heads) == (dst.first_head, dst.num_heads):
+        for s, d, n in page_runs(src_pages, dst_pages):
+            for layer in range(layout.num_layers):
+                for kv in (0, 1):
+                    srcs.append(src.address(layout, layer, kv, s))
+                    dsts.append(dst.address(layout, layer, kv, d))
+                    lens.append(n * src.page_bytes(layout))
+        return srcs, dsts, lens
+    hb = layout.head_bytes
+    src_off, dst_off, nbytes = (first - src.first_head) * hb, (first - dst.first_head) * hb, (last - first) * hb
+    for s, d in zip(src_pages, dst_pages):
         for layer in range(layout.num_layers):
             for kv in (0, 1):
-                srcs.append(src.address(layout, layer, kv, s))
-                dsts.append(dst.address(layout, layer, kv, d))
-                lens.append(n * layout.page_bytes)
+                s0, d0 = src.address(layout, layer, kv, s) + src_off, dst.address(layout, layer, kv, d) + dst_off
+                for token in range(layout.page_size):
+                    srcs.append(s0 + token * src.num_heads * hb)
+                    dsts.append(d0 + token * dst.num_heads * hb)
+                    lens.append(nbytes)
     return srcs, dsts, lens
+
+
+@dataclass
+class Writes:
+    """The writes one source rank makes to one destination buffer."""
+
+    session: str  # the destination's Mooncake session
+    srcs: list[int]
+    dsts: list[int]
+    lens: list[int]
+
+
+def transfer_plan(layout: KVLayout, sources: list[KVBuffer], dests: list[KVBuffer], src_pages: list[int],
+                  dst_pages: list[int]) -> list[list[Writes]]:
+    """For each source rank (in order), its writes to every destination rank it shares heads
+    with: together they copy every head of `src_pages` onto `dst_pages`."""
+    plan = []
+    for src in sources:
+        writes = []
+        for dst in dests:
+            srcs, dsts, lens = write_list(layout, src, dst, src_pages, dst_pages)
+            if srcs:
+                writes.append(Writes(dst.session, srcs, dsts, lens))
+        plan.append(writes)
+    return plan
 
 
 def prompt_digest(token_ids: list[int]) -> int:

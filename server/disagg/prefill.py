@@ -31,8 +31,8 @@ from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapService
 from tandem.server.disagg.rooms import RoomState, RoomTable
-from tandem.server.disagg.connector import ConnectorEvents, KVConnector, deadline
-from tandem.server.disagg.layout import KVBuffer, KVLayout, prompt_digest, write_list
+from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
+from tandem.server.disagg.layout import KVLayout, Writes, prompt_digest, transfer_plan
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, MooncakeTransfer, RecordBuffer
 from tandem.server.memory import KVMemory
 from tandem.server.request import Request
@@ -57,12 +57,12 @@ class PrefillConnector(KVConnector):
 
     def __init__(self, config: DisaggConfig, listen_host: str, advertise_host: str, layout: KVLayout,
                  kv_cache: PagedKVCache, memory: KVMemory, wake: Callable[[], None],
-                 on_transfer: Callable[[float], None] = lambda seconds: None):
+                 on_transfer: Callable[[float], None] = lambda seconds: None, ranks: OtherRanks | None = None):
         super().__init__(on_transfer)
-        self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
+        self.config, self.layout, self.memory, self.wake, self.ranks = config, layout, memory, wake, ranks
         self.device = kv_cache.device
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
-        self.kv = KVBuffer(self.transfer.register(kv_cache.buffer), kv_cache.num_pages)
+        self.parts = [own_part(self.transfer, kv_cache)] + (ranks.parts if ranks is not None else [])
         self.records = RecordBuffer(memory.slots.num_slots)  # staging: one record per request slot
         self.transfer.register(self.records.tensor)
         self.table = RoomTable(layout, self.transfer.session, wake)
@@ -135,19 +135,24 @@ class PrefillConnector(KVConnector):
             self.memory.release(req)
             return
         need = -(-req.prompt_len // self.layout.page_size)
-        srcs, dsts, lens = write_list(self.layout, self.kv, reg.peer.kv, req.pages[:need], reg.pages)
+        plan = transfer_plan(self.layout, self.parts, list(reg.peer.parts), req.pages[:need], reg.pages)
         logprob = req.output_logprobs[0] if req.output_logprobs else 0.0
         self.records.write(req.slot, ArrivalRecord(req.bootstrap.room, req.token_ids[req.prompt_len], req.num_cached_prompt, logprob))
         record = (self.records.address(req.slot), reg.peer.record_base + reg.record_slot * RECORD_BYTES)
-        future = self.pool.submit(self._write, reg.peer.session, srcs, dsts, lens, record)
+        future = self.pool.submit(self._write, plan, reg.peer.session, record)
         future.add_done_callback(lambda _: self.wake())
-        self.inflight[req.rid] = _Send(req, future, sum(lens))
+        self.inflight[req.rid] = _Send(req, future, sum(sum(w.lens) for writes in plan for w in writes))
 
-    def _write(self, session: str, srcs, dsts, lens, record: tuple[int, int]) -> float:
-        """On a sender thread: the KV pages, then (only once they are all written) the record.
-        Returns the seconds the writes took."""
+    def _write(self, plan: list[list[Writes]], session: str, record: tuple[int, int]) -> float:
+        """On a sender thread: every rank's heads of the KV pages (rank 0's here, the others' by
+        their own engines), then (only once they are all written) the record to the decode's
+        rank 0 at `session`. Returns the seconds the writes took."""
         start = time.perf_counter()
-        self.transfer.write(session, srcs, dsts, lens)
+        others = [self.ranks.write(rank, writes) for rank, writes in enumerate(plan) if rank and writes]
+        for w in plan[0]:
+            self.transfer.write(w.session, w.srcs, w.dsts, w.lens)
+        for future in others:
+            future.result()
         self.transfer.write(session, [record[0]], [record[1]], [RECORD_BYTES])
         return time.perf_counter() - start
 

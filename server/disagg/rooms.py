@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tandem.server.disagg.layout import KVBuffer, KVLayout
+from tandem.server.disagg.layout import KVBuffer, KVLayout, check_split
 
 log = logging.getLogger("tandem.bootstrap")
 
@@ -73,9 +73,13 @@ class PeerRefused(Exception):
 class DecodePeer:
     name: str  # stable across restarts: the decode's advertised gRPC address
     instance: str  # new on each start of the decode process
-    session: str  # Mooncake session host:rpc_port
-    kv: KVBuffer
+    session: str  # Mooncake session host:rpc_port of its rank 0, which holds the arrival records
+    parts: tuple[KVBuffer, ...]  # its KV pool, one buffer per tensor-parallel rank
     record_base: int  # address of arrival-record slot 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.parts[0].num_pages
 
     def __str__(self) -> str:
         return f"{self.name} (instance {self.instance})"
@@ -129,8 +133,9 @@ class RoomTable:
         unfinished rooms fail: the process that registered them is gone."""
         theirs = KVLayout.from_json(body["layout"])
         self.layout.check_compatible(theirs, here="on prefill", there="on decode")
-        peer = DecodePeer(body["decode"], body["decode_instance"], body["session"],
-                          KVBuffer(body["kv_base"], body["num_pages"]), body["record_base"])
+        parts = tuple(KVBuffer.from_json(part) for part in body["kv_parts"])
+        check_split(theirs, list(parts), f"of decode {body['decode']}")
+        peer = DecodePeer(body["decode"], body["decode_instance"], body["session"], parts, body["record_base"])
         with self._lock:
             if self._leaving_since is not None:
                 raise PeerRefused("leaving", f"prefill instance {self.instance} is shutting down; no new decode peers")
@@ -141,10 +146,11 @@ class RoomTable:
                                                   f"replaced by {peer.instance})")
                 self.counters["peer_rehandshakes"] += 1
                 log.info("decode peer %s replaces instance %s (%d of its rooms failed); Mooncake session %s, %d pages",
-                         peer, old.instance, failed, peer.session, peer.kv.num_pages)
+                         peer, old.instance, failed, peer.session, peer.num_pages)
             else:
                 self.counters["peer_handshakes"] += 1
-                log.info("decode peer %s registered (Mooncake session %s, %d pages)", peer, peer.session, peer.kv.num_pages)
+                log.info("decode peer %s registered (Mooncake session %s, %d pages, %d tensor-parallel ranks)", peer,
+                         peer.session, peer.num_pages, len(peer.parts))
         self.wake()
         return peer
 
@@ -195,8 +201,8 @@ class RoomTable:
                                              f"{body['room']} has no prefill request here and will get none")
             pages, prompt_len = list(body["pages"]), int(body["prompt_len"])
             need = -(-prompt_len // self.layout.page_size)
-            if len(pages) != need or not all(0 <= p < peer.kv.num_pages for p in pages):
-                raise ValueError(f"{len(pages)} destination pages for {prompt_len} prompt tokens; need {need} in [0, {peer.kv.num_pages})")
+            if len(pages) != need or not all(0 <= p < peer.num_pages for p in pages):
+                raise ValueError(f"{len(pages)} destination pages for {prompt_len} prompt tokens; need {need} in [0, {peer.num_pages})")
             reg = Registration(peer, body["request_id"], prompt_len, int(body["digest"]), pages, int(body["record_slot"]))
             room = self._rooms.get(body["room"])
             if room is None:

@@ -6,6 +6,10 @@ the model; rank 0 sizes the KV pool and `build(num_pages)` has each rank allocat
 over its own KV heads and answer ready. Then a forward pass is one message down a pipe to each
 rank (`send`); the all-reduces inside the pass keep the ranks in step. Closing the pipes stops them.
 
+Disaggregated roles: each rank also runs a Mooncake transfer engine over its own KV buffer and
+reports that buffer (`parts`); a prefill's rank 0 hands each rank the writes of its heads
+(`write`), which the rank runs on a thread of its own and answers on the same pipe.
+
 Failure: a rank that exits (a crash, an OOM kill) is seen at once by rank 0's watcher thread,
 which calls `on_lost`. When rank 0 dies, the pipes close and the collectives break, and the other
 ranks exit non-zero. A collective that waits longer than the group's timeout raises on every rank
@@ -14,6 +18,7 @@ still alive. A rank process never outlives rank 0: it reads its pipe to the end.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import socket
@@ -21,12 +26,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Callable
 
 import torch
 
+from tandem.server.disagg.layout import KVBuffer, Writes
 from tandem.server.parallel.group import ProcessGroup, free_port, rank_device, threads_per_rank
 
 log = logging.getLogger("tandem.tp")
@@ -49,6 +56,18 @@ class RankSpec:
     size: int
     port: int  # rank 0's rendezvous port on 127.0.0.1
     timeout: float  # seconds any collective may wait
+    role: str = "colocated"  # prefill and decode ranks register their KV with a Mooncake engine of their own
+    kv_transfer_protocol: str = "tcp"
+    ib_device: str = ""
+    advertise_host: str = "127.0.0.1"
+
+
+@dataclass
+class WriteJob:
+    """Rank 0 -> a rank: write these heads of the KV pool to a decode; answered by job id."""
+
+    job: int
+    writes: list[Writes]
 
 
 class RankPool:
@@ -61,6 +80,10 @@ class RankPool:
         self._procs: list[subprocess.Popen] = []
         self._closing = False
         self.sends, self.send_seconds = 0, 0.0  # forward passes handed out, and the time it took (benchmarks)
+        self.parts: list[KVBuffer] = []  # ranks 1..size-1's KV buffers, once built (disaggregated roles)
+        self._send_lock = threading.Lock()  # the engine thread and KV senders share each pipe
+        self._jobs: dict[int, Future] = {}
+        self._job_ids = itertools.count()
         for rank in range(1, spec.size):
             ours, theirs = socket.socketpair()
             with theirs:
@@ -95,17 +118,51 @@ class RankPool:
             reply = conn.recv()
             if reply[0] != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
-        for rank, proc in enumerate(self._procs, start=1):
+            if reply[1] is not None:
+                self.parts.append(reply[1])
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
             threading.Thread(target=self._watch, args=(rank, proc, on_lost), name=f"tandem-tp{rank}-watch",
                              daemon=True).start()
+            threading.Thread(target=self._read, args=(rank, conn), name=f"tandem-tp{rank}-read", daemon=True).start()
 
     def send(self, message: bytes) -> None:
         """The next forward pass, to every other rank (raises when one is gone)."""
         start = time.perf_counter()
-        for conn in self._conns:
-            conn.send_bytes(message)
+        with self._send_lock:
+            for conn in self._conns:
+                conn.send_bytes(message)
         self.send_seconds += time.perf_counter() - start
         self.sends += 1
+
+    def write(self, rank: int, writes: list[Writes]) -> Future:
+        """Have rank `rank` (>= 1) make `writes` from its KV buffer; the future ends when it has."""
+        future: Future = Future()
+        job = next(self._job_ids)
+        self._jobs[job] = future
+        try:
+            with self._send_lock:
+                self._conns[rank - 1].send_bytes(pickle.dumps(WriteJob(job, writes), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as e:
+            self._jobs.pop(job, None)
+            future.set_exception(RuntimeError(f"tensor-parallel rank {rank} is gone: {e}"))
+        return future
+
+    def _read(self, rank: int, conn: Connection) -> None:
+        """Answers to write jobs, until the pipe closes; jobs left unanswered then fail."""
+        try:
+            while True:
+                _, job, error = conn.recv()
+                future = self._jobs.pop(job)
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(RuntimeError(f"tensor-parallel rank {rank}: {error}"))
+        except (EOFError, OSError):
+            pass
+        for job, future in list(self._jobs.items()):
+            if not future.done():
+                self._jobs.pop(job, None)
+                future.set_exception(RuntimeError(f"tensor-parallel rank {rank} is gone"))
 
     def explain(self, error: BaseException, wait: float = 2.0) -> str:
         """Why a forward pass failed with `error`: the rank that exited (waiting up to `wait`
@@ -160,22 +217,50 @@ def run_rank(rank: int, conn: Connection) -> None:
         kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.num_kv_heads, c.head_dim, model.compute_dtype,
                           model.device)
         attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim)
-        conn.send(("ready",))
+        transfer, part = None, None
+        if spec.role != "colocated":
+            from tandem.server.disagg.transfer import MooncakeTransfer
+
+            transfer = MooncakeTransfer(spec.advertise_host, spec.kv_transfer_protocol, spec.ib_device)
+            part = KVBuffer(transfer.register(kv.buffer), num_pages, rank * c.num_kv_heads, c.num_kv_heads,
+                            transfer.session)
+        conn.send(("ready", part))
     except BaseException as e:
         try:
             conn.send(("error", f"{type(e).__name__}: {e}"))
         except OSError:
             pass
         raise
+    writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"tandem-tp{rank}-kv-send")
+    answer_lock = threading.Lock()
+
+    def write(job: WriteJob) -> None:
+        error = None
+        try:
+            for w in job.writes:
+                transfer.write(w.session, w.srcs, w.dsts, w.lens)
+        except Exception as e:  # rank 0 fails the room
+            error = f"{type(e).__name__}: {e}"
+        with answer_lock:
+            conn.send(("written", job.job, error))
+
     with torch.inference_mode():
         while True:
             try:
-                message = conn.recv_bytes()
+                message = pickle.loads(conn.recv_bytes())
             except EOFError:  # rank 0 closed the pipe: the server is stopping (or gone)
                 break
-            forward_pass(model.module, attn, pickle.loads(message), model.device)
+            if isinstance(message, WriteJob):
+                if model.device.type == "cuda":  # the forward pass that wrote those pages must be done
+                    torch.cuda.current_stream(model.device).synchronize()
+                writers.submit(write, message)
+            else:
+                forward_pass(model.module, attn, message, model.device)
+    writers.shutdown(wait=True)
     group.close()
 
 
-if __name__ == "__main__":
-    run_rank(int(sys.argv[1]), Connection(int(sys.argv[2])))
+if __name__ == "__main__":  # run from the module proper, whose classes rank 0's messages are pickled as
+    from tandem.server.parallel import workers
+
+    workers.run_rank(int(sys.argv[1]), Connection(int(sys.argv[2])))

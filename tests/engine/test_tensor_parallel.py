@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): three ranks, one KV head each (SmolLM2-135M has 9 query
 and 3 KV heads), are exact against HF transformers under chunked prefill, prefix hits and
-retraction; and a rank that dies fails the engine promptly, with errors for every open request,
-and takes the other ranks with it."""
+retraction, colocated and between prefill and decode servers of different TP sizes (each head's
+KV moved by the rank holding it, over Mooncake); and a rank that dies fails the engine promptly,
+with errors for every open request, and takes the other ranks with it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 
 from support.checks import assert_engine_clean, assert_matches_reference
 from support.prompts import prompts
+from support.serving import free_port, wait_for
 from tandem.server.config import DisaggConfig, EngineConfig
 from tandem.server.engine import Engine
+from tandem.server.request import Bootstrap
 from tandem.server.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
@@ -77,6 +80,39 @@ def test_three_ranks_stay_exact_through_retraction(workload):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(3, 1), (1, 3)])
+def test_pd_between_different_tp_sizes_is_exact(smollm_fp32, workload, prefill_tp, decode_tp):
+    config = dict(dtype="float32", page_size=16, chunked_prefill_size=256, max_total_tokens=8192)
+    port = free_port()
+
+    def engine(tp: int, role: str, **disagg) -> Engine:
+        return Engine(EngineConfig(tp_size=tp, **config), model=None if tp > 1 else smollm_fp32,
+                      disagg=DisaggConfig(role=role, **disagg)).start()
+
+    p = engine(prefill_tp, "prefill", bootstrap_port=port)
+    d = engine(decode_tp, "decode")
+    work = sorted(workload, key=lambda w: len(w[0]))[::2]  # every other length, 4 tokens to the longest
+    work.append(max(workload, key=lambda w: len(w[0])))
+    try:
+        legs = []
+        for room, (prompt, _, _) in enumerate(work):
+            b = Bootstrap("127.0.0.1", port, room)
+            legs.append((p.submit(prompt, GREEDY, bootstrap=b), d.submit(prompt, GREEDY, bootstrap=b)))
+        for (prefill_leg, decode_leg), (prompt, want, gaps) in zip(legs, work):
+            out = decode_leg.result()
+            assert out.finish_reason == "length", (out.finish_reason, out.error)
+            assert prefill_leg.result().finish_reason == "length"
+            assert_matches_reference(out.output_ids, want, gaps, f"tp {prefill_tp} -> {decode_tp}, {len(prompt)} tokens")
+        assert p.snapshot.kv_transfer_bytes == d.snapshot.kv_transfer_bytes > 0
+        for e in (p, d):
+            wait_for(lambda e=e: not e.call(e.connector.has_work) and not e.call(e.scheduler.has_work), "idle", 30)
+            assert_engine_clean(e)
+            assert e.call(e.connector.held) == []
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_a_killed_rank_fails_the_engine_and_its_requests(smollm_fp32):
     engine = tp_engine(page_size=16, max_total_tokens=8192)
     try:
@@ -110,6 +146,3 @@ def test_tp_refuses_what_it_cannot_split_or_serve(smollm_fp32):
         Engine(EngineConfig(tp_size=3, max_total_tokens=1024), model=smollm_fp32)
     with pytest.raises(ValueError, match="--tp-size=0 is invalid: must be >= 1"):
         EngineConfig(tp_size=0).validate()
-    for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match=f"--tp-size=3 with --role={role}: tensor-parallel prefill and decode"):
-            Engine(EngineConfig(tp_size=3), disagg=DisaggConfig(role=role))

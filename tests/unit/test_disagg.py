@@ -3,10 +3,13 @@ the bootstrap service's room state machine."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tandem.server.disagg.rooms import PeerRefused, RoomState, RoomTable
-from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch, page_runs, prompt_digest, write_list
+from tandem.server.disagg.layout import (
+    KVBuffer, KVLayout, LayoutMismatch, check_split, page_runs, prompt_digest, transfer_plan, write_list,
+)
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, RecordBuffer
 
 LAYOUT = KVLayout(model="llama:m", kv_dtype="float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=2, page_bytes=32)
@@ -21,12 +24,74 @@ def test_page_runs_coalesce_where_both_sides_are_consecutive():
 
 
 def test_write_list_addresses_every_layer_k_and_v():
-    src, dst = KVBuffer(base=1000, num_pages=10), KVBuffer(base=50_000, num_pages=6)
+    src, dst = KVBuffer(base=1000, num_pages=10, first_head=0, num_heads=1), KVBuffer(50_000, 6, 0, 1)
     srcs, dsts, lens = write_list(LAYOUT, src, dst, [2, 3], [4, 5])
     assert len(srcs) == 4 and lens == [64] * 4  # one run x 2 layers x K,V; two pages each
     # (layer, kv) blocks are num_pages pages apart; page p starts p * page_bytes in.
     assert srcs == [1000 + (b * 10 + 2) * 32 for b in range(4)]
     assert dsts == [50_000 + (b * 6 + 4) * 32 for b in range(4)]
+
+
+# A 3-KV-head model, its pools as numpy arrays inside one flat "address space" (addresses are
+# offsets into MEMORY), split over 1 or 3 tensor-parallel ranks.
+HEADS3 = KVLayout(model="llama:m", kv_dtype="float32", page_size=4, num_layers=2, num_kv_heads=3, head_dim=2,
+                  page_bytes=4 * 3 * 2 * 4)
+
+
+def pools(size: int, num_pages: int, base: int, seed: int):
+    """`size` ranks' buffers over HEADS3 at `base`...: (parts, arrays [L, 2, pages, P, heads, D])."""
+    rng = np.random.default_rng(seed)
+    parts, arrays, per = [], [], 3 // size
+    for rank in range(size):
+        array = rng.standard_normal((2, 2, num_pages, 4, per, 2)).astype(np.float32)
+        parts.append(KVBuffer(base + rank * 100_000, num_pages, rank * per, per, f"rank{rank}"))
+        arrays.append(array)
+    return parts, arrays
+
+
+def run_writes(plan, src_parts, src_arrays, dst_parts, dst_arrays):
+    memory = np.zeros(1_000_000, dtype=np.uint8)
+    for part, array in zip(src_parts + dst_parts, src_arrays + dst_arrays):
+        memory[part.base : part.base + array.nbytes] = array.view(np.uint8).ravel()
+    sessions = {p.session for p in dst_parts}
+    for writes in plan:
+        for w in writes:
+            assert w.session in sessions
+            for s, d, n in zip(w.srcs, w.dsts, w.lens):
+                memory[d : d + n] = memory[s : s + n]
+    return [memory[p.base : p.base + a.nbytes].view(np.float32).reshape(a.shape) for p, a in zip(dst_parts, dst_arrays)]
+
+
+@pytest.mark.parametrize("src_size, dst_size", [(3, 1), (1, 3), (3, 3), (1, 1)])
+def test_transfer_plan_moves_every_head_between_any_two_splits(src_size, dst_size):
+    src_parts, src_arrays = pools(src_size, 6, 0, seed=1)
+    dst_parts, dst_arrays = pools(dst_size, 5, 500_000, seed=2)
+    src_pages, dst_pages = [1, 2, 5], [3, 4, 0]
+    plan = transfer_plan(HEADS3, src_parts, dst_parts, src_pages, dst_pages)
+    assert len(plan) == src_size
+    after = run_writes(plan, src_parts, src_arrays, dst_parts, dst_arrays)
+    whole_src = np.concatenate(src_arrays, axis=4)  # [L, 2, pages, P, 3 heads, D]
+    whole_before, whole_after = np.concatenate(dst_arrays, axis=4), np.concatenate(after, axis=4)
+    for s, d in zip(src_pages, dst_pages):
+        assert np.array_equal(whole_after[:, :, d], whole_src[:, :, s])
+    untouched = [p for p in range(5) if p not in dst_pages]
+    assert np.array_equal(whole_after[:, :, untouched], whole_before[:, :, untouched])
+    # Same split: whole pages in runs; different: one write per token and shared head run.
+    entries = sum(len(w.srcs) for writes in plan for w in writes)
+    if src_size == dst_size:
+        assert entries == src_size * 2 * 2 * 2  # ranks x runs (1, 2 -> 3, 4 and 5 -> 0) x layers x K,V
+    else:
+        assert entries == 3 * 3 * 2 * 2 * 4  # heads (one shared run each) x pages x layers x K,V x tokens
+
+
+def test_a_split_that_misses_or_repeats_a_head_is_refused_by_name():
+    parts, _ = pools(3, 4, 0, seed=0)
+    check_split(HEADS3, parts, "of decode d")
+    with pytest.raises(LayoutMismatch, match=r"of decode d is split into head ranges \[\(0, 1\), \(2, 3\)\].*"
+                                             "each of the model's 3 KV heads exactly once"):
+        check_split(HEADS3, [parts[0], parts[2]], "of decode d")
+    with pytest.raises(LayoutMismatch, match=r"over \[4, 4, 7\] pages"):
+        check_split(HEADS3, parts[:2] + [KVBuffer(0, 7, 2, 1)], "of decode d")
 
 
 def test_layout_mismatch_names_every_field():
@@ -58,7 +123,7 @@ def _register(table, room, prompt=(1, 2, 3, 4, 5), pages=(0, 1), instance="d1"):
 
 def _add_peer(table, instance="d1"):
     return table.add_peer({"decode": "d", "decode_instance": instance, "session": "127.0.0.1:2", "layout": LAYOUT.to_json(),
-                           "kv_base": 0, "num_pages": 8, "record_base": 0})
+                           "kv_parts": [KVBuffer(0, 8, 0, 1, "127.0.0.1:2").to_json()], "record_base": 0})
 
 
 @pytest.fixture
