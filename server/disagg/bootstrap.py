@@ -46,7 +46,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/v1/layout":
-            self._reply(200, {"layout": self.table.layout.to_json(), "session": self.table.session})
+            self._reply(200, {"layout": self.table.layout.to_json(), "session": self.table.session,
+                              "kv_heads": self.table.kv_heads})
         elif self.path == "/v1/peers":
             self._reply(200, {"peers": self.table.peers()})
         elif self.path == "/health":
@@ -155,7 +156,7 @@ class BootstrapClient:
                                  refused=isinstance(reason, ConnectionRefusedError)) from None
 
     def layout(self) -> dict:
-        """{"layout": KVLayout, "session", "instance"}"""
+        """{"layout": KVLayout, "session", "instance", "kv_heads": [[first head, heads] per rank]}"""
         body = self._call("/v1/layout")
         return {**body, "layout": KVLayout.from_json(body["layout"])}
 

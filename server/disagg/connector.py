@@ -36,6 +36,9 @@ class OtherRanks(Protocol):
     def write(self, rank: int, writes: list[Writes]) -> Future:
         """Have rank `rank` make `writes` from its buffer; the future ends when it has."""
 
+    def relayout(self, pages: list[int]) -> None:
+        """Have every rank turn `pages`, arrived head-major, token-major (before its next forward pass)."""
+
 
 def own_part(transfer, kv_cache: PagedKVCache) -> KVBuffer:
     """Rank 0's KV buffer, registered with its Mooncake engine: the first of the server's parts."""

@@ -34,7 +34,7 @@ from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError
 from tandem.server.disagg.rooms import RoomState, new_instance_id
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
 from tandem.server.disagg.layout import KVLayout, LayoutMismatch, prompt_digest
-from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer
+from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer, token_major
 from tandem.server.memory import KVMemory
 from tandem.server.request import Request
 from tandem.server.sampling_params import InvalidRequestError
@@ -74,6 +74,7 @@ class _Peer:
     handshake: Future  # -> the prefill's answer to our registration
     state: PeerState = PeerState.CONNECTING
     instance: str = ""  # the prefill process we registered with
+    head_major: bool = False  # it splits the KV heads unlike us: its pages arrive head-major
     leaving: bool = False
     error: str = ""
     code: str = ""
@@ -121,7 +122,9 @@ class DecodeConnector(KVConnector):
         self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
         # One buffer per tensor-parallel rank: each prefill rank writes its heads into whichever holds them.
+        self.buffer, self.ranks = kv_cache.buffer, ranks
         self.parts = [own_part(self.transfer, kv_cache)] + (ranks.parts if ranks is not None else [])
+        self.kv_heads = [[p.first_head, p.num_heads] for p in self.parts]
         self.records = RecordBuffer(memory.slots.num_slots)  # request slot i receives its record in slot i
         self.transfer.register(self.records.tensor)
         # Who we are to the prefills: a stable name (a successor at the same address replaces us)
@@ -161,9 +164,10 @@ class DecodeConnector(KVConnector):
 
     def _handshake(self, client: BootstrapClient) -> dict:
         """On a client thread: check the prefill's layout, then register our KV pool with it."""
-        theirs = client.layout()["layout"]
-        self.layout.check_compatible(theirs, here="on decode", there=f"on prefill {client.address}")
-        return client.add_peer(self.me, self.transfer.session, self.layout, self.parts, self.records.base)
+        theirs = client.layout()
+        self.layout.check_compatible(theirs["layout"], here="on decode", there=f"on prefill {client.address}")
+        answer = client.add_peer(self.me, self.transfer.session, self.layout, self.parts, self.records.base)
+        return {**answer, "kv_heads": theirs["kv_heads"]}
 
     def _known_peers(self) -> list[_Peer]:
         """Current registrations and retired ones that requests or quarantined pages still wait on."""
@@ -176,7 +180,9 @@ class DecodeConnector(KVConnector):
         if peer.state is PeerState.CONNECTING and peer.handshake.done():
             error = peer.handshake.exception()
             if error is None:
-                self._connected(peer, peer.handshake.result()["instance"], now)
+                answer = peer.handshake.result()
+                peer.head_major = [list(h) for h in answer["kv_heads"]] != self.kv_heads
+                self._connected(peer, answer["instance"], now)
             else:
                 mismatch = isinstance(error, LayoutMismatch) or getattr(error, "conflict", False)
                 peer.state, peer.failed_at = PeerState.FAILED, now
@@ -381,6 +387,11 @@ class DecodeConnector(KVConnector):
     def _arrived(self, p: _Pending, record: ArrivalRecord, now: float) -> None:
         req = p.req
         del self.pending[req.rid]
+        if p.peer.head_major:  # on every rank, before any forward pass reads these pages
+            pages = req.pages[: self.memory.pages_for(req.prompt_len)]
+            token_major(self.buffer, pages)
+            if self.ranks is not None:
+                self.ranks.relayout(pages)
         req.num_cached_prompt = record.cached_tokens
         if req.params.logprobs:
             req.output_logprobs.append(record.logprob)

@@ -4,9 +4,9 @@ where a page lives in memory. Pure Python: no torch, no Mooncake.
 A server's KV pool is one buffer per tensor-parallel rank (`KVBuffer`), each of shape
 [num_layers, 2 (K, V), num_pages, page_size, heads, head_dim] over the rank's own KV heads, so
 the bytes of (layer, kv, page) start at `base + ((layer * 2 + kv) * num_pages + page) *
-part_page_bytes`. Where a prefill rank and a decode rank hold the same heads, pages move whole;
-where their head splits differ (prefill tp 3 -> decode tp 1), each token's run of shared heads
-moves on its own.
+part_page_bytes`. Where a prefill and a decode split the heads alike, pages move whole, rank to
+rank; where their splits differ (prefill tp 3 -> decode tp 1), they move head-major and the
+decode turns them back (`transfer_plan`).
 """
 
 from __future__ import annotations
@@ -116,34 +116,29 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 def write_list(
     layout: KVLayout, src: KVBuffer, dst: KVBuffer, src_pages: list[int], dst_pages: list[int]
 ) -> tuple[list[int], list[int], list[int]]:
-    """Source addresses, destination addresses and lengths for copying the heads both buffers
-    hold from `src_pages` onto `dst_pages`, in every layer's K and V: one entry per (run of
-    pages, layer, K|V) where both hold the same heads, else one per (page, layer, K|V, token)."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
-    first, last = max(src.first_head, dst.first_head), min(src.last_head, dst.last_head)
+    """Source addresses, destination addresses and lengths for copying `src_pages` onto
+    `dst_pages` in every layer's K and V, between two buffers holding the same heads: one entry
+    per (run of pages, layer, K|V)."""
+    assert (src.first_head, src.num_heads) == (dst.first_head, dst.num_heads), "whole pages need the same heads"
     srcs, dsts, lens = [], [], []
-    if first >= last:
-        return srcs, dsts, lens
-    if (src.first_head, src.num_heads) == (dst.first_head, dst.num_heads):
-        for s, d, n in page_runs(src_pages, dst_pages):
-            for layer in range(layout.num_layers):
-                for kv in (0, 1):
-                    srcs.append(src.address(layout, layer, kv, s))
-                    dsts.append(dst.address(layout, layer, kv, d))
-                    lens.append(n * src.page_bytes(layout))
-        return srcs, dsts, lens
-    hb = layout.head_bytes
-    src_off, dst_off, nbytes = (first - src.first_head) * hb, (first - dst.first_head) * hb, (last - first) * hb
-    for s, d in zip(src_pages, dst_pages):
+    for s, d, n in page_runs(src_pages, dst_pages):
         for layer in range(layout.num_layers):
             for kv in (0, 1):
-                s0, d0 = src.address(layout, layer, kv, s) + src_off, dst.address(layout, layer, kv, d) + dst_off
-                for token in range(layout.page_size):
-                    srcs.append(s0 + token * src.num_heads * hb)
-                    dsts.append(d0 + token * dst.num_heads * hb)
-                    lens.append(nbytes)
+                srcs.append(src.address(layout, layer, kv, s))
+                dsts.append(dst.address(layout, layer, kv, d))
+                lens.append(n * src.page_bytes(layout))
     return srcs, dsts, lens
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A write whose source is packed first: heads [first, last) of the source buffer (counted
+    from its first head) in `pages`, laid out head-major, [num_layers, K|V, pages, heads,
+    page_size, head_dim]; chunk i (one (layer, K|V, page)) goes to the write's dsts[i]."""
+
+    first: int
+    last: int
+    pages: list[int]
 
 
 @dataclass
@@ -151,22 +146,46 @@ class Writes:
     """The writes one source rank makes to one destination buffer."""
 
     session: str  # the destination's Mooncake session
-    srcs: list[int]
+    srcs: list[int]  # empty when `packed`: the packer knows where it put each chunk
     dsts: list[int]
     lens: list[int]
+    packed: Packed | None = None
+
+
+def same_split(a: list[KVBuffer], b: list[KVBuffer]) -> bool:
+    """Both pools split the heads the same way: pages can move whole, rank to rank."""
+    return [(p.first_head, p.num_heads) for p in a] == [(p.first_head, p.num_heads) for p in b]
 
 
 def transfer_plan(layout: KVLayout, sources: list[KVBuffer], dests: list[KVBuffer], src_pages: list[int],
                   dst_pages: list[int]) -> list[list[Writes]]:
     """For each source rank (in order), its writes to every destination rank it shares heads
-    with: together they copy every head of `src_pages` onto `dst_pages`."""
+    with: together they copy every head of `src_pages` onto `dst_pages`.
+
+    Where both pools split the heads alike, pages move whole. Where they differ, each source
+    rank packs the heads a destination rank shares with it head-major (one contiguous chunk per
+    layer, K|V and page) into the same head-major place of the destination page, and the
+    destination turns its pages back to token-major on arrival (`tandem.server.disagg.transfer.
+    token_major`): a few thousand writes for a long prompt where token by token would take
+    hundreds of thousands."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    if same_split(sources, dests):
+        return [[Writes(dst.session, *write_list(layout, src, dst, src_pages, dst_pages))]
+                for src, dst in zip(sources, dests)]
+    chunk = layout.page_size * layout.head_bytes  # one head of one page
     plan = []
     for src in sources:
         writes = []
         for dst in dests:
-            srcs, dsts, lens = write_list(layout, src, dst, src_pages, dst_pages)
-            if srcs:
-                writes.append(Writes(dst.session, srcs, dsts, lens))
+            first, last = max(src.first_head, dst.first_head), min(src.last_head, dst.last_head)
+            if first >= last:
+                continue
+            offset = (first - dst.first_head) * chunk
+            dsts = [dst.address(layout, layer, kv, page) + offset
+                    for layer in range(layout.num_layers) for kv in (0, 1) for page in dst_pages]
+            packed = Packed(first - src.first_head, last - src.first_head, list(src_pages))
+            writes.append(Writes(dst.session, [], dsts, [(last - first) * chunk] * len(dsts), packed))
         plan.append(writes)
     return plan
 

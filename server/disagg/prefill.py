@@ -62,10 +62,11 @@ class PrefillConnector(KVConnector):
         self.config, self.layout, self.memory, self.wake, self.ranks = config, layout, memory, wake, ranks
         self.device = kv_cache.device
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
+        self.buffer = kv_cache.buffer
         self.parts = [own_part(self.transfer, kv_cache)] + (ranks.parts if ranks is not None else [])
         self.records = RecordBuffer(memory.slots.num_slots)  # staging: one record per request slot
         self.transfer.register(self.records.tensor)
-        self.table = RoomTable(layout, self.transfer.session, wake)
+        self.table = RoomTable(layout, self.transfer.session, wake, [(p.first_head, p.num_heads) for p in self.parts])
         self.service = BootstrapService(self.table, listen_host, config.bootstrap_port)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-send")
         self.waiting_for_peer: dict[str, tuple[Request, float]] = {}  # the bootstrap queue: rid -> (req, deadline)
@@ -149,8 +150,7 @@ class PrefillConnector(KVConnector):
         rank 0 at `session`. Returns the seconds the writes took."""
         start = time.perf_counter()
         others = [self.ranks.write(rank, writes) for rank, writes in enumerate(plan) if rank and writes]
-        for w in plan[0]:
-            self.transfer.write(w.session, w.srcs, w.dsts, w.lens)
+        self.transfer.send(self.buffer, plan[0])
         for future in others:
             future.result()
         self.transfer.write(session, [record[0]], [record[1]], [RECORD_BYTES])

@@ -115,9 +115,12 @@ class Room:
 class RoomTable:
     """Rooms and decode peers, shared by the HTTP threads and the prefill loop (one lock)."""
 
-    def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None):
+    def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None,
+                 kv_heads: list[tuple[int, int]] | None = None):
         self.layout = layout
         self.session = session
+        # How this prefill splits the KV heads over its ranks: (first head, heads) per rank.
+        self.kv_heads = kv_heads or [(0, layout.num_kv_heads)]
         self.wake = wake
         self.instance = new_instance_id()
         self._lock = threading.Lock()

@@ -1,5 +1,6 @@
-"""The Mooncake transfer engine, as the connectors use it: one engine per server, memory
-registered once, KV written with one-sided batched writes, and the arrival record.
+"""The Mooncake transfer engine, as the connectors use it: one engine per server (per
+tensor-parallel rank), memory registered once, KV written with one-sided batched writes (packed
+head-major first where the two sides split the heads differently), and the arrival record.
 
 An arrival record is the last thing prefill writes for a request, after all of its KV pages: the
 decode side polls its record slot and treats a valid record for its own room as "KV complete".
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.server.disagg.layout import Writes
 from tandem.server.env import quiet_native_logs
 
 log = logging.getLogger("tandem.transfer")
@@ -107,6 +109,26 @@ class MooncakeTransfer:
         self._registered.append(tensor)
         return tensor.data_ptr()
 
+    def unregister(self, tensor: torch.Tensor) -> None:
+        self.engine.unregister_memory(tensor.data_ptr())
+        self._registered = [t for t in self._registered if t is not tensor]
+
+    def send(self, buffer: torch.Tensor, writes: list[Writes]) -> None:
+        """Make `writes` from `buffer` (this rank's KV pool, [layers, 2, pages, page_size, heads,
+        head_dim]); a packed write first copies its heads head-major into a registered staging
+        tensor, freed once written. Raises TransferError."""
+        for w in writes:
+            if w.packed is None:
+                self.write(w.session, w.srcs, w.dsts, w.lens)
+                continue
+            p = w.packed
+            staging = buffer[:, :, p.pages, :, p.first : p.last].transpose(3, 4).contiguous()
+            base, chunk = self.register(staging), staging[0, 0, 0].numel() * staging.element_size()
+            try:
+                self.write(w.session, [base + i * chunk for i in range(len(w.dsts))], w.dsts, w.lens)
+            finally:
+                self.unregister(staging)
+
     def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         """Copy local [src, src+len) onto the peer's [dst, dst+len), blocking; raise TransferError."""
         for i in range(0, len(srcs), MAX_BATCH_ENTRIES):
@@ -114,3 +136,11 @@ class MooncakeTransfer:
             rc = self.engine.batch_transfer_sync_write(session, srcs[i:j], dsts[i:j], lens[i:j])
             if rc != 0:
                 raise TransferError(f"Mooncake write of {sum(lens[i:j])} bytes to {session} failed (rc={rc})")
+
+
+def token_major(buffer: torch.Tensor, pages: list[int]) -> None:
+    """Turn `pages` of a KV pool that arrived head-major (packed writes) back into the pool's
+    token-major layout, in place."""
+    layers, kv, _, page_size, heads, head_dim = buffer.shape
+    arrived = buffer[:, :, pages].view(layers, kv, len(pages), heads, page_size, head_dim)
+    buffer[:, :, pages] = arrived.transpose(3, 4)

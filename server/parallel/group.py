@@ -38,24 +38,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ProcessGroup:
-    """This process's membership in the server's rank group. `join` blocks until every rank has
-    joined (or the timeout passes)."""
+    """This process's membership in one server's rank group; construction blocks until every
+    rank has joined (or the timeout passes). A group of its own, not torch.distributed's default
+    one: a process may hold several servers' rank 0 (a prefill and a decode engine in one test)."""
 
     def __init__(self, rank: int, size: int, device: torch.device, port: int, timeout: float):
         self.rank, self.size, self.timeout = rank, size, timeout
         self.calls, self.seconds = 0, 0.0  # all-reduces so far, and the time spent in them (benchmarks)
         self.backend = backend_for(device)
-        dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout))
+        limit = timedelta(seconds=timeout)
+        self._store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=limit)
+        if self.backend == "gloo":
+            self._group = dist.ProcessGroupGloo(self._store, rank, size, limit)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = limit
+            self._group = dist.ProcessGroupNCCL(self._store, rank, size, options)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; every rank gets the same bits."""
         start = time.perf_counter()
-        dist.all_reduce(t)
+        self._group.allreduce([t]).wait()
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return t
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._group = None  # its connections close with it
+        self._store = None

@@ -63,6 +63,13 @@ class RankSpec:
 
 
 @dataclass
+class Relayout:
+    """Rank 0 -> every rank: these pages arrived head-major; make them token-major now."""
+
+    pages: list[int]
+
+
+@dataclass
 class WriteJob:
     """Rank 0 -> a rank: write these heads of the KV pool to a decode; answered by job id."""
 
@@ -147,6 +154,13 @@ class RankPool:
             future.set_exception(RuntimeError(f"tensor-parallel rank {rank} is gone: {e}"))
         return future
 
+    def relayout(self, pages: list[int]) -> None:
+        """Every other rank turns `pages` token-major before its next forward pass (the pipe keeps order)."""
+        message = pickle.dumps(Relayout(pages), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            for conn in self._conns:
+                conn.send_bytes(message)
+
     def _read(self, rank: int, conn: Connection) -> None:
         """Answers to write jobs, until the pipe closes; jobs left unanswered then fail."""
         try:
@@ -202,6 +216,7 @@ def run_rank(rank: int, conn: Connection) -> None:
     from tandem.kernels.attention import create_backend
     from tandem.kernels.kv_cache import PagedKVCache
     from tandem.server.model import Shard, load_model, resolve_device
+    from tandem.server.disagg.transfer import token_major
     from tandem.server.runner import forward_pass
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
@@ -237,8 +252,7 @@ def run_rank(rank: int, conn: Connection) -> None:
     def write(job: WriteJob) -> None:
         error = None
         try:
-            for w in job.writes:
-                transfer.write(w.session, w.srcs, w.dsts, w.lens)
+            transfer.send(kv.buffer, job.writes)
         except Exception as e:  # rank 0 fails the room
             error = f"{type(e).__name__}: {e}"
         with answer_lock:
@@ -254,6 +268,8 @@ def run_rank(rank: int, conn: Connection) -> None:
                 if model.device.type == "cuda":  # the forward pass that wrote those pages must be done
                     torch.cuda.current_stream(model.device).synchronize()
                 writers.submit(write, message)
+            elif isinstance(message, Relayout):
+                token_major(kv.buffer, message.pages)
             else:
                 forward_pass(model.module, attn, message, model.device)
     writers.shutdown(wait=True)

@@ -77,20 +77,24 @@ class RouterProcess:
 
 class PDStack:
     """Two prefill and two decode servers (loading in parallel) and two routers over them:
-    `one_by_one` (the first prefill and the first decode) and `two_by_two` (all four).
-    `router_args`: the router's PD flags (policies, retries), before the worker list."""
+    `one_by_one` (the first prefill and the first decode) and `two_by_two` (all four); with
+    `pairs=1`, one of each and `one_by_one` only. `router_args`: the router's PD flags (policies,
+    retries), before the worker list; `prefill_args`, `decode_args`: flags for one role only."""
 
-    def __init__(self, logs: Path, engine_args: tuple[str, ...], router_args: tuple[str, ...]):
+    def __init__(self, logs: Path, engine_args: tuple[str, ...], router_args: tuple[str, ...],
+                 prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (), pairs: int = 2):
         import grpc
         from smg_grpc_proto import sglang_scheduler_pb2 as pb
         from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
-        self.bootstrap_ports = [free_port(), free_port()]
+        self.bootstrap_ports = [free_port() for _ in range(pairs)]
         self.prefills = [
-            ServerProcess("--role", "prefill", "--bootstrap-port", str(port), *engine_args, log_path=logs / f"prefill{i}.log", wait=False)
+            ServerProcess("--role", "prefill", "--bootstrap-port", str(port), *engine_args, *prefill_args,
+                          log_path=logs / f"prefill{i}.log", wait=False)
             for i, port in enumerate(self.bootstrap_ports)
         ]
-        self.decodes = [ServerProcess("--role", "decode", *engine_args, log_path=logs / f"decode{i}.log", wait=False) for i in range(2)]
+        self.decodes = [ServerProcess("--role", "decode", *engine_args, *decode_args, log_path=logs / f"decode{i}.log",
+                                      wait=False) for i in range(pairs)]
         self.routers: list[RouterProcess] = []
         try:
             for server in self.servers:
@@ -98,7 +102,9 @@ class PDStack:
             with grpc.insecure_channel(self.prefills[0].target) as channel:
                 tokenizer_dir = pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
             self.one_by_one = self._router(router_args, self.prefills[:1], self.decodes[:1], tokenizer_dir, logs / "router-1x1.log")
-            self.two_by_two = self._router(router_args, self.prefills, self.decodes, tokenizer_dir, logs / "router-2x2.log")
+            if pairs > 1:
+                self.two_by_two = self._router(router_args, self.prefills, self.decodes, tokenizer_dir,
+                                               logs / "router-2x2.log")
         except BaseException:  # nothing half-started outlives a failed setup
             self.stop()
             raise

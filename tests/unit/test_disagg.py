@@ -8,7 +8,7 @@ import pytest
 
 from tandem.server.disagg.rooms import PeerRefused, RoomState, RoomTable
 from tandem.server.disagg.layout import (
-    KVBuffer, KVLayout, LayoutMismatch, check_split, page_runs, prompt_digest, transfer_plan, write_list,
+    KVBuffer, KVLayout, LayoutMismatch, check_split, page_runs, prompt_digest, same_split, transfer_plan, write_list,
 )
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, RecordBuffer
 
@@ -49,17 +49,30 @@ def pools(size: int, num_pages: int, base: int, seed: int):
     return parts, arrays
 
 
-def run_writes(plan, src_parts, src_arrays, dst_parts, dst_arrays):
+def run_writes(plan, src_parts, src_arrays, dst_parts, dst_arrays, dst_pages):
+    """Each source rank's writes, packing as MooncakeTransfer.send does (staging at 900,000...),
+    then each destination turned token-major as on arrival when the splits differ."""
     memory = np.zeros(1_000_000, dtype=np.uint8)
     for part, array in zip(src_parts + dst_parts, src_arrays + dst_arrays):
         memory[part.base : part.base + array.nbytes] = array.view(np.uint8).ravel()
     sessions = {p.session for p in dst_parts}
-    for writes in plan:
+    for writes, array in zip(plan, src_arrays):
         for w in writes:
             assert w.session in sessions
-            for s, d, n in zip(w.srcs, w.dsts, w.lens):
+            srcs = w.srcs
+            if w.packed is not None:  # head-major: [L, 2, pages, heads, P, D]
+                staging = np.ascontiguousarray(array[:, :, w.packed.pages, :, w.packed.first : w.packed.last]
+                                               .transpose(0, 1, 2, 4, 3, 5))
+                memory[900_000 : 900_000 + staging.nbytes] = staging.view(np.uint8).ravel()
+                srcs = [900_000 + i * w.lens[0] for i in range(len(w.dsts))]
+            for s, d, n in zip(srcs, w.dsts, w.lens):
                 memory[d : d + n] = memory[s : s + n]
-    return [memory[p.base : p.base + a.nbytes].view(np.float32).reshape(a.shape) for p, a in zip(dst_parts, dst_arrays)]
+    after = [memory[p.base : p.base + a.nbytes].view(np.float32).reshape(a.shape).copy() for p, a in zip(dst_parts, dst_arrays)]
+    if not same_split(src_parts, dst_parts):
+        for a in after:
+            L, KV, _, P, H, D = a.shape
+            a[:, :, dst_pages] = a[:, :, dst_pages].reshape(L, KV, len(dst_pages), H, P, D).transpose(0, 1, 2, 4, 3, 5)
+    return after
 
 
 @pytest.mark.parametrize("src_size, dst_size", [(3, 1), (1, 3), (3, 3), (1, 1)])
@@ -69,19 +82,19 @@ def test_transfer_plan_moves_every_head_between_any_two_splits(src_size, dst_siz
     src_pages, dst_pages = [1, 2, 5], [3, 4, 0]
     plan = transfer_plan(HEADS3, src_parts, dst_parts, src_pages, dst_pages)
     assert len(plan) == src_size
-    after = run_writes(plan, src_parts, src_arrays, dst_parts, dst_arrays)
+    after = run_writes(plan, src_parts, src_arrays, dst_parts, dst_arrays, dst_pages)
     whole_src = np.concatenate(src_arrays, axis=4)  # [L, 2, pages, P, 3 heads, D]
     whole_before, whole_after = np.concatenate(dst_arrays, axis=4), np.concatenate(after, axis=4)
     for s, d in zip(src_pages, dst_pages):
         assert np.array_equal(whole_after[:, :, d], whole_src[:, :, s])
     untouched = [p for p in range(5) if p not in dst_pages]
     assert np.array_equal(whole_after[:, :, untouched], whole_before[:, :, untouched])
-    # Same split: whole pages in runs; different: one write per token and shared head run.
-    entries = sum(len(w.srcs) for writes in plan for w in writes)
+    # Same split: whole pages in runs; different: one packed chunk per (rank pair, layer, K|V, page).
+    entries = sum(len(w.dsts) for writes in plan for w in writes)
     if src_size == dst_size:
         assert entries == src_size * 2 * 2 * 2  # ranks x runs (1, 2 -> 3, 4 and 5 -> 0) x layers x K,V
     else:
-        assert entries == 3 * 3 * 2 * 2 * 4  # heads (one shared run each) x pages x layers x K,V x tokens
+        assert entries == 3 * 2 * 2 * 3  # rank pairs sharing heads x layers x K,V x pages
 
 
 def test_a_split_that_misses_or_repeats_a_head_is_refused_by_name():
