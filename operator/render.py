@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from kubernetes.utils import parse_quantity
+
 from tandem.operator.spec import GROUP, KIND, POOLS, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
 from tandem.operator.schema import to_wire
 
@@ -182,7 +184,7 @@ def server_args(inst: Instance, pool: str) -> list[str]:
             "--device", "cuda" if gpu_count(p.resources) else "cpu",
             "--advertise-host", "$(POD_IP)", "--kv-transfer-protocol", kv.protocol,
             "--bootstrap-timeout", str(kv.bootstrap_timeout_seconds),
-            "--drain-grace-seconds", str(drain_seconds(p))]
+            "--drain-grace-seconds", str(drain_seconds(p)), "--tp-size", str(p.tensor_parallel_size)]
     if pool == "prefill":
         args += ["--bootstrap-port", str(kv.bootstrap_port)]
     if kv.ib_devices:
@@ -227,9 +229,17 @@ def _server_container(inst: Instance, pool: str) -> dict:
     return container
 
 
+def shm_size(pool: PoolSpec) -> str:
+    """/dev/shm of a pool's pods: as asked, but at least 2Gi per rank for NCCL between GPUs."""
+    floor = 2 * pool.tensor_parallel_size
+    if pool.tensor_parallel_size > 1 and gpu_count(pool.resources) and parse_quantity(pool.shm_size) < floor * 2**30:
+        return f"{floor}Gi"
+    return str(pool.shm_size)
+
+
 def _server_volumes(inst: Instance, pool: str) -> list[dict]:
     model = inst.spec.model
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(inst.pool(pool).shm_size)}},
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(inst.pool(pool))}},
                {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     if model.source in ("pvc", "huggingface"):
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model.claim_name, "readOnly": True}})

@@ -100,8 +100,10 @@ class PoolSpec:
     min_replicas: int = api_field(1, "Lower bound for the autoscaler.", minimum=0)
     max_replicas: int = api_field(8, "Upper bound for the autoscaler.", minimum=1)
     resources: Resources = api_field(Resources(), "Per-server resources, including nvidia.com/gpu.")
-    tensor_parallel_size: int = api_field(1, "GPUs one server shards the model over. tandem serves "
-                                          "one GPU per server today: only 1 is accepted.", minimum=1)
+    tensor_parallel_size: int = api_field(1, "Ranks one server shards the model over (`tandem serve "
+                                          "--tp-size`): one GPU each where the pool has GPUs, whose "
+                                          "nvidia.com/gpu must then equal it; CPU ranks otherwise. Must "
+                                          "divide the model's query and KV heads.", minimum=1)
     engine_args: list[str] = api_field([], "Extra `tandem serve` flags, e.g. [--max-total-tokens, \"65536\"]. "
                                        "Flags the operator sets itself are refused.")
     env: dict[str, str] = api_field({}, "Extra environment variables for the server container.")
@@ -115,7 +117,8 @@ class PoolSpec:
     startup_timeout_seconds: int = api_field(
         1800, "Seconds a new server may take to load the model (and compile kernels) before it is "
         "restarted.", minimum=30)
-    shm_size: Quantity = api_field(Quantity("1Gi"), "Size of the in-memory /dev/shm volume.")
+    shm_size: Quantity = api_field(Quantity("1Gi"), "Size of the in-memory /dev/shm volume; GPU pools "
+                                   "with tensorParallelSize > 1 get at least 2Gi per rank (NCCL's buffers).")
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,7 @@ class InferenceServiceStatus:
 # Flags the operator derives from the spec; engineArgs may not override them.
 RESERVED_SERVER_FLAGS = ("--role", "--host", "--port", "--metrics-port", "--model", "--served-model-name",
                          "--dtype", "--device", "--bootstrap-port", "--advertise-host", "--kv-transfer-protocol",
-                         "--ib-device", "--drain-grace-seconds", "--bootstrap-timeout")
+                         "--ib-device", "--drain-grace-seconds", "--bootstrap-timeout", "--tp-size")
 RESERVED_ROUTER_FLAGS = ("--host", "--port", "--pd-disaggregation", "--discovery-provider", "--discovery-file",
                          "--service-discovery", "--prefill-policy", "--decode-policy", "--health-check-port",
                          "--prometheus-port", "--prometheus-host")
@@ -394,16 +397,14 @@ def _check_pool(pool_name: str, pool: PoolSpec) -> None:
     if not pool.min_replicas <= pool.replicas <= pool.max_replicas:
         raise SpecError(f"{where}.replicas", f"{pool.replicas} is outside [minReplicas, maxReplicas] = "
                         f"[{pool.min_replicas}, {pool.max_replicas}]")
-    if pool.tensor_parallel_size != 1:
-        raise SpecError(f"{where}.tensorParallelSize", f"{pool.tensor_parallel_size}: tandem serve runs one "
-                        "GPU per server; tensor parallelism is not implemented, use 1")
     try:
         gpus = gpu_count(pool.resources)
     except SpecError as e:
         raise SpecError(f"{where}.{e.path}", str(e).split(": ", 1)[1]) from None
-    if gpus > 1:
-        raise SpecError(f"{where}.resources.limits.nvidia.com/gpu", f"{gpus}: one server uses one GPU; "
-                        "scale with replicas instead")
+    if gpus and gpus != pool.tensor_parallel_size:
+        raise SpecError(f"{where}.resources.limits.nvidia.com/gpu", f"{gpus}: a server uses one GPU per "
+                        f"tensor-parallel rank, and tensorParallelSize is {pool.tensor_parallel_size}; set both "
+                        "alike (scale with replicas)")
     _check_flags(f"{where}.engineArgs", pool.engine_args, RESERVED_SERVER_FLAGS)
     _check_tolerations(f"{where}.tolerations", pool.tolerations)
 

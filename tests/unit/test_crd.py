@@ -160,7 +160,6 @@ CROSS_FIELD = [
     # What the schema cannot express: the operator's checks, each naming the field to fix.
     (_with("spec.decode", {"replicas": 1, "minReplicas": 3, "maxReplicas": 2}), "spec.decode.minReplicas"),
     (_with("spec.prefill", {"replicas": 9}), "spec.prefill.replicas"),
-    (_with("spec.prefill.tensorParallelSize", 2), "spec.prefill.tensorParallelSize"),
     (_with("spec.decode.resources", {"limits": {"nvidia.com/gpu": 2}}), "spec.decode.resources.limits.nvidia.com/gpu"),
     (_with("spec.kvTransfer.protocol", "rdma"), "spec.kvTransfer.ibDevices"),
     (_with("spec.model.source", "pvc"), "spec.model.claimName"),

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from support.examples import UID, instance
 from tandem.cli.main import build_parser
 from tandem.operator import render
+from tandem.operator.schema import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"
@@ -104,9 +106,11 @@ def test_full_example_gpus_scheduling_rdma_and_model_claim():
     objects = by_kind(render.render_all(inst))
     prefill = objects["StatefulSet", "smollm2-gpu-prefill"]
     c, pod = container(prefill), prefill["spec"]["template"]["spec"]
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "3" and c["resources"]["requests"]["nvidia.com/gpu"] == "3"
     args = build_parser().parse_args(c["args"])
     assert args.device == "cuda" and args.model == "/models/smollm2/SmolLM2-135M-Instruct.gguf"
+    assert args.tp_size == 3  # a prefill server over 3 GPUs; the decode pool's servers use one each
+    assert build_parser().parse_args(container(objects["StatefulSet", "smollm2-gpu-decode"])["args"]).tp_size == 1
     assert args.kv_transfer_protocol == "rdma" and args.ib_device == "mlx5_0,mlx5_1"
     assert (args.max_prefill_tokens, args.chunked_prefill_size) == (16384, 4096)
     assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == "1"  # device plugin resources are requested
@@ -133,6 +137,28 @@ def test_full_example_gpus_scheduling_rdma_and_model_claim():
         assert labels["app.kubernetes.io/component"] in sel["matchExpressions"][0]["values"]
     # The client Service (a LoadBalancer here) exposes the API only.
     assert [p["name"] for p in objects["Service", "smollm2-gpu-router"]["spec"]["ports"]] == ["http"]
+
+
+@pytest.mark.parametrize("shm, expected", [("1Gi", "4Gi"), ("8Gi", "8Gi")])
+def test_tensor_parallel_pools_request_a_gpu_per_rank_and_shm_for_nccl(shm, expected):
+    body = yaml.safe_load((REPO / "examples" / "full.yaml").read_text())
+    decode = {**body["spec"]["decode"], "tensorParallelSize": 2, "shmSize": shm,
+              "resources": {"limits": {"memory": "32Gi", "nvidia.com/gpu": 2}}}
+    objects = by_kind(render.render_all(instance("full", decode=decode)))
+    sts = objects["StatefulSet", "smollm2-gpu-decode"]
+    kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
+    c, pod = container(sts), sts["spec"]["template"]["spec"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert build_parser().parse_args(c["args"]).tp_size == 2
+    dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": expected}
+    # GPUs and ranks that disagree are refused, naming both.
+    with pytest.raises(SpecError, match=r"spec.decode.resources.limits.nvidia.com/gpu: 2: a server uses one GPU per "
+                                        "tensor-parallel rank, and tensorParallelSize is 3"):
+        instance("full", decode={**decode, "tensorParallelSize": 3})
+    # The operator sets --tp-size itself.
+    with pytest.raises(SpecError, match=r"spec.decode.engineArgs\[0\]: --tp-size sets --tp-size"):
+        instance("full", decode={**decode, "engineArgs": ["--tp-size", "2"]})
 
 
 def test_huggingface_model_reads_the_cache_claim_offline():
