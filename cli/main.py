@@ -140,6 +140,12 @@ def cmd_bench_pd(args) -> int:
     return run(args, engine_args)
 
 
+def cmd_bench_kv_transfer(args) -> int:
+    from tandem.tools.bench_kv_transfer import run
+
+    return run(from_args(args, EngineConfig), args)
+
+
 def cmd_bench_linear(args) -> int:
     from tandem.tools.bench_linear import run
 
@@ -265,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)
+
+    bkv = bench_sub.add_parser("kv-transfer", help="prefill -> decode KV writes between engines of given tensor-parallel "
+                               "sizes, in this process, one pair after the other")
+    bkv.add_argument("--pairs", nargs="+", default=["1:1", "3:1", "1:3", "3:3"], metavar="PREFILL:DECODE")
+    bkv.add_argument("--prompt-len", type=int, default=1200)
+    bkv.add_argument("--requests", type=int, default=4)
+    add_arguments(bkv, EngineConfig)
+    bkv.set_defaults(func=cmd_bench_kv_transfer, max_total_tokens=8192)
 
     blin = bench_sub.add_parser("linear", help="the model's projections in each form a weight can be held in "
                                 "(F.linear, x @ W, oneDNN-packed), per batch size and dtype")

@@ -13,6 +13,10 @@ instead of spinning. Measured on 2 cores (`tandem bench serve --concurrency 1 --
 --prompt-len 300 300 --output-len 64 64` against one `tandem serve`): 84 ms per output token with
 the model loaded on the caller's thread, 61 ms with it loaded here.
 
+With `--tp-size N`, ranks 1..N-1 run in processes of their own (`tandem.server.parallel`): this
+engine is rank 0, hands each forward pass to them, and fails (`failure`, every open request ends
+with an error) when one of them is lost.
+
 One iteration of the loop: apply the inbox, then `step()`: poll the KV connector (handing it
 what the scheduler reports, applying what it asks through the scheduler) -> schedule ->
 execute -> update -> publish outputs.

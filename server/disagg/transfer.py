@@ -8,13 +8,14 @@ decode side polls its record slot and treats a valid record for its own room as 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 from dataclasses import dataclass
 
 import torch
 
-from tandem.server.disagg.layout import Writes
+from tandem.server.disagg.layout import Packed, Writes, destination_runs
 from tandem.server.env import quiet_native_logs
 
 log = logging.getLogger("tandem.transfer")
@@ -121,11 +122,11 @@ class MooncakeTransfer:
             if w.packed is None:
                 self.write(w.session, w.srcs, w.dsts, w.lens)
                 continue
-            p = w.packed
-            staging = buffer[:, :, p.pages, :, p.first : p.last].transpose(3, 4).contiguous()
-            base, chunk = self.register(staging), staging[0, 0, 0].numel() * staging.element_size()
+            staging = pack(buffer, w.packed)
+            base = self.register(staging)
+            srcs = [base + offset for offset in itertools.accumulate(w.lens, initial=0)][:-1]
             try:
-                self.write(w.session, [base + i * chunk for i in range(len(w.dsts))], w.dsts, w.lens)
+                self.write(w.session, srcs, w.dsts, w.lens)
             finally:
                 self.unregister(staging)
 
@@ -138,9 +139,19 @@ class MooncakeTransfer:
                 raise TransferError(f"Mooncake write of {sum(lens[i:j])} bytes to {session} failed (rc={rc})")
 
 
+def pack(buffer: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """The source side of a packed write: its chunks, in (run, layer, K|V) order, each a run's
+    pages of the packed heads laid out [heads, pages, page_size, head_dim]; one flat tensor."""
+    return torch.cat([buffer[:, :, pages, :, packed.first : packed.last].permute(0, 1, 4, 2, 3, 5).reshape(-1)
+                      for pages in packed.runs])
+
+
 def token_major(buffer: torch.Tensor, pages: list[int]) -> None:
-    """Turn `pages` of a KV pool that arrived head-major (packed writes) back into the pool's
+    """Turn `pages` of a KV pool that arrived head-major (packed writes: [heads, pages,
+    page_size, head_dim] per run of consecutive pages, layer and K|V) back into the pool's
     token-major layout, in place."""
     layers, kv, _, page_size, heads, head_dim = buffer.shape
-    arrived = buffer[:, :, pages].view(layers, kv, len(pages), heads, page_size, head_dim)
-    buffer[:, :, pages] = arrived.transpose(3, 4)
+    for start, count in destination_runs(pages):
+        run = buffer[:, :, start : start + count]
+        arrived = run.contiguous().view(layers, kv, heads, count, page_size, head_dim)
+        run.copy_(arrived.permute(0, 1, 3, 4, 2, 5))

@@ -8,7 +8,8 @@ import pytest
 
 from tandem.server.disagg.rooms import PeerRefused, RoomState, RoomTable
 from tandem.server.disagg.layout import (
-    KVBuffer, KVLayout, LayoutMismatch, check_split, page_runs, prompt_digest, same_split, transfer_plan, write_list,
+    KVBuffer, KVLayout, LayoutMismatch, check_split, destination_runs, page_runs, prompt_digest, same_split,
+    transfer_plan, write_list,
 )
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, RecordBuffer
 
@@ -60,18 +61,21 @@ def run_writes(plan, src_parts, src_arrays, dst_parts, dst_arrays, dst_pages):
         for w in writes:
             assert w.session in sessions
             srcs = w.srcs
-            if w.packed is not None:  # head-major: [L, 2, pages, heads, P, D]
-                staging = np.ascontiguousarray(array[:, :, w.packed.pages, :, w.packed.first : w.packed.last]
-                                               .transpose(0, 1, 2, 4, 3, 5))
-                memory[900_000 : 900_000 + staging.nbytes] = staging.view(np.uint8).ravel()
-                srcs = [900_000 + i * w.lens[0] for i in range(len(w.dsts))]
+            if w.packed is not None:  # per destination run: [L, 2, heads, pages, P, D]
+                p = w.packed
+                staging = np.concatenate([array[:, :, pages, :, p.first : p.last].transpose(0, 1, 4, 2, 3, 5).ravel()
+                                          for pages in p.runs])
+                memory[900_000 : 900_000 + staging.nbytes] = staging.view(np.uint8)
+                srcs = list(900_000 + np.cumsum([0] + w.lens[:-1]))
             for s, d, n in zip(srcs, w.dsts, w.lens):
                 memory[d : d + n] = memory[s : s + n]
     after = [memory[p.base : p.base + a.nbytes].view(np.float32).reshape(a.shape).copy() for p, a in zip(dst_parts, dst_arrays)]
-    if not same_split(src_parts, dst_parts):
+    if not same_split(src_parts, dst_parts):  # what token_major does on arrival
         for a in after:
             L, KV, _, P, H, D = a.shape
-            a[:, :, dst_pages] = a[:, :, dst_pages].reshape(L, KV, len(dst_pages), H, P, D).transpose(0, 1, 2, 4, 3, 5)
+            for start, n in destination_runs(dst_pages):
+                run = a[:, :, start : start + n].copy()
+                a[:, :, start : start + n] = run.reshape(L, KV, H, n, P, D).transpose(0, 1, 3, 4, 2, 5)
     return after
 
 
@@ -89,12 +93,42 @@ def test_transfer_plan_moves_every_head_between_any_two_splits(src_size, dst_siz
         assert np.array_equal(whole_after[:, :, d], whole_src[:, :, s])
     untouched = [p for p in range(5) if p not in dst_pages]
     assert np.array_equal(whole_after[:, :, untouched], whole_before[:, :, untouched])
-    # Same split: whole pages in runs; different: one packed chunk per (rank pair, layer, K|V, page).
+    # Same split: whole pages in runs where both sides are consecutive; different: one packed
+    # chunk per (rank pair, run of destination pages, layer, K|V).
     entries = sum(len(w.dsts) for writes in plan for w in writes)
     if src_size == dst_size:
         assert entries == src_size * 2 * 2 * 2  # ranks x runs (1, 2 -> 3, 4 and 5 -> 0) x layers x K,V
     else:
-        assert entries == 3 * 2 * 2 * 3  # rank pairs sharing heads x layers x K,V x pages
+        assert entries == 3 * 2 * 2 * 2  # rank pairs sharing heads x runs (3, 4 and 0) x layers x K,V
+
+
+@pytest.mark.parametrize("src_size, dst_size", [(3, 1), (1, 3)])
+def test_pack_and_token_major_round_trip_through_the_plan(src_size, dst_size):
+    """The torch side of a packed transfer (what each rank runs): `pack` on every source rank,
+    the plan's writes as byte copies, then `token_major` on every destination rank."""
+    import torch
+
+    from tandem.server.disagg.transfer import pack, token_major
+
+    per_src, per_dst, num_pages = 3 // src_size, 3 // dst_size, 8
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(2, 2, num_pages, 4, per_src, 2, generator=g) for _ in range(src_size)]
+    dests = [torch.zeros(2, 2, num_pages, 4, per_dst, 2) for _ in range(dst_size)]
+    src_parts = [KVBuffer(0, num_pages, r * per_src, per_src, f"s{r}") for r in range(src_size)]
+    dst_parts = [KVBuffer(0, num_pages, r * per_dst, per_dst, f"d{r}") for r in range(dst_size)]
+    src_pages, dst_pages = [6, 1, 2, 7], [2, 3, 4, 0]
+    for buffer, writes in zip(sources, transfer_plan(HEADS3, src_parts, dst_parts, src_pages, dst_pages)):
+        for w in writes:
+            staging = pack(buffer, w.packed).view(torch.uint8)
+            target = dests[int(w.session[1:])].view(-1).view(torch.uint8)
+            offset = 0
+            for d, n in zip(w.dsts, w.lens):  # bases are 0: addresses are byte offsets
+                target[d : d + n] = staging[offset : offset + n]
+                offset += n
+    for buffer in dests:
+        token_major(buffer, dst_pages)
+    whole_src, whole_dst = torch.cat(sources, dim=4), torch.cat(dests, dim=4)
+    assert torch.equal(whole_dst[:, :, dst_pages], whole_src[:, :, src_pages])
 
 
 def test_a_split_that_misses_or_repeats_a_head_is_refused_by_name():
