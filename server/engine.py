@@ -85,10 +85,11 @@ class Engine:
         if config.num_threads or config.tp_size > 1:
             torch.set_num_threads(threads_per_rank(config.num_threads, config.tp_size))
         if config.tp_size > 1:
+            advertise = advertise_host(disagg, host) if disagg.role != "colocated" else host
             self.ranks = RankPool(RankSpec(config.model, config.dtype, config.prefill_dtype, config.device,
                                            config.attention_backend, config.page_size, config.num_threads,
                                            config.tp_size, 0, config.tp_timeout, disagg.role,
-                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise_host(disagg, host)),
+                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise),
                                   resolve_device(config.device))
             model = load_model(config.model, config.dtype, config.device, config.prefill_dtype,
                                Shard(0, config.tp_size), self.ranks.group.all_reduce)
@@ -268,10 +269,11 @@ class Engine:
             if finished:
                 self.connector.poll(finished, 0)  # what it asks of a stopped loop is moot
             self.connector.close()
+        except Exception:  # the streams below must end whatever happened to the loop
+            log.exception("closing the KV connector failed")
+        finally:
             if self.ranks is not None:
                 self.ranks.close()
-        except Exception:  # the streams below must end whatever happened to the loop
-            log.exception("closing the KV connector or the tensor-parallel ranks failed")
         for message in left:
             if isinstance(message, Add):
                 self.outputs.open(message.stream)

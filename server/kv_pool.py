@@ -17,6 +17,8 @@ def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) 
     mc = model.module.config  # this tensor-parallel rank's KV heads
     per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.compute_dtype)
     budget = int(free_memory_bytes(model.device) * config.kv_memory_fraction)
+    if model.device.type == "cpu":  # every rank's pool comes out of the same host memory
+        budget //= model.shard.size
     # Never more than the context length times the slot count: the rest could never be used.
     cap = context_length * config.max_running_requests
     return max(1, min(budget // per_token, cap) // config.page_size)

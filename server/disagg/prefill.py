@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -150,7 +150,10 @@ class PrefillConnector(KVConnector):
         rank 0 at `session`. Returns the seconds the writes took."""
         start = time.perf_counter()
         others = [self.ranks.write(rank, writes) for rank, writes in enumerate(plan) if rank and writes]
-        self.transfer.send(self.buffer, plan[0])
+        try:
+            self.transfer.send(self.buffer, plan[0])
+        finally:  # the pages stay ours until no rank reads them any more, whatever failed
+            wait(others)
         for future in others:
             future.result()
         self.transfer.write(session, [record[0]], [record[1]], [RECORD_BYTES])

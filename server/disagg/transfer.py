@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import struct
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,7 @@ class MooncakeTransfer:
             raise RuntimeError(f"Mooncake initialize({host!r}, protocol={protocol!r}, devices={ib_devices!r}) returned {rc}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: list[torch.Tensor] = []  # kept alive as long as Mooncake may touch them
+        self._lock = threading.Lock()  # sender threads register and unregister staging tensors
 
     def register(self, tensor: torch.Tensor) -> int:
         """Register a contiguous tensor's memory for one-sided access; returns its address."""
@@ -107,12 +109,17 @@ class MooncakeTransfer:
         rc = self.engine.register_memory(tensor.data_ptr(), nbytes)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory of {nbytes} bytes returned {rc}")
-        self._registered.append(tensor)
+        with self._lock:
+            self._registered.append(tensor)
         return tensor.data_ptr()
 
     def unregister(self, tensor: torch.Tensor) -> None:
-        self.engine.unregister_memory(tensor.data_ptr())
-        self._registered = [t for t in self._registered if t is not tensor]
+        rc = self.engine.unregister_memory(tensor.data_ptr())
+        if rc != 0:  # it stays registered (and alive): nothing can write to freed memory
+            log.warning("Mooncake unregister_memory of %d bytes returned %d", tensor.numel() * tensor.element_size(), rc)
+            return
+        with self._lock:
+            self._registered = [t for t in self._registered if t is not tensor]
 
     def send(self, buffer: torch.Tensor, writes: list[Writes]) -> None:
         """Make `writes` from `buffer` (this rank's KV pool, [layers, 2, pages, page_size, heads,
@@ -123,6 +130,8 @@ class MooncakeTransfer:
                 self.write(w.session, w.srcs, w.dsts, w.lens)
                 continue
             staging = pack(buffer, w.packed)
+            if staging.is_cuda:  # the copies must be done before the NIC reads them
+                torch.cuda.current_stream(staging.device).synchronize()
             base = self.register(staging)
             srcs = [base + offset for offset in itertools.accumulate(w.lens, initial=0)][:-1]
             try:
@@ -153,5 +162,5 @@ def token_major(buffer: torch.Tensor, pages: list[int]) -> None:
     layers, kv, _, page_size, heads, head_dim = buffer.shape
     for start, count in destination_runs(pages):
         run = buffer[:, :, start : start + count]
-        arrived = run.contiguous().view(layers, kv, heads, count, page_size, head_dim)
+        arrived = run.clone().view(layers, kv, heads, count, page_size, head_dim)  # a copy: run is overwritten
         run.copy_(arrived.permute(0, 1, 3, 4, 2, 5))

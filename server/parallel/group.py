@@ -1,8 +1,11 @@
 """The collectives between the tensor-parallel ranks of one server.
 
 The backend is chosen here and nowhere else: gloo for CPU ranks (what the tests run), NCCL for
-CUDA ranks, one GPU per rank. Every collective is bounded by the group's timeout: a rank that
-stops answering turns into an error on the others, never a hang.
+CUDA ranks, one GPU per rank. Every collective is bounded by the group's timeout: with gloo a rank
+that stops answering turns into an error on the others (at once when its connections close);
+with NCCL, whose collectives do not block the CPU, the watchdog ends a process whose collective
+outlives the timeout (and the pod restarts). The all-reduce time counted here is meaningful for
+gloo only.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ def backend_for(device: torch.device) -> str:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Where rank `rank` computes: GPU `rank` on CUDA (one GPU per rank), the CPU otherwise."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """Where rank `rank` computes: the `rank`-th GPU from rank 0's on CUDA (one GPU per rank), the
+    CPU otherwise."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
 def threads_per_rank(num_threads: int | None, size: int) -> int:

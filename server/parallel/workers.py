@@ -1,9 +1,9 @@
 """The tensor-parallel ranks other than 0, and rank 0's handle on them (`RankPool`).
 
 Start-up: rank 0 starts ranks 1..N-1 (`python -m tandem.server.parallel.workers`, each with one
-end of a socket pair as its pipe, so nothing of the caller's `__main__` runs again); every rank joins the process group and loads its share of
-the model; rank 0 sizes the KV pool and `build(num_pages)` has each rank allocate that many pages
-over its own KV heads and answer ready. Then a forward pass is one message down a pipe to each
+end of a socket pair as its pipe, so nothing of the caller's `__main__` runs again); every rank
+joins the process group and loads its share of the model; rank 0 sizes the KV pool and
+`build(num_pages)` has each rank allocate that many pages over its own KV heads and answer ready. Then a forward pass is one message down a pipe to each
 rank (`send`); the all-reduces inside the pass keep the ranks in step. Closing the pipes stops them.
 
 Disaggregated roles: each rank also runs a Mooncake transfer engine over its own KV buffer and
@@ -13,14 +13,20 @@ reports that buffer (`parts`); a prefill's rank 0 hands each rank the writes of 
 Failure: a rank that exits (a crash, an OOM kill) is seen at once by rank 0's watcher thread,
 which calls `on_lost`. When rank 0 dies, the pipes close and the collectives break, and the other
 ranks exit non-zero. A collective that waits longer than the group's timeout raises on every rank
-still alive. A rank process never outlives rank 0: it reads its pipe to the end.
+still alive (with gloo at once, when a peer's connection closes; NCCL's watchdog ends a rank
+whose collective outlives the timeout). A rank process never outlives rank 0: the kernel kills
+it when the thread that started it (rank 0's engine thread) ends (PR_SET_PDEATHSIG), and its pipe
+closes then too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
+import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -89,18 +95,17 @@ class RankPool:
         self.sends, self.send_seconds = 0, 0.0  # forward passes handed out, and the time it took (benchmarks)
         self.parts: list[KVBuffer] = []  # ranks 1..size-1's KV buffers, once built (disaggregated roles)
         self._send_lock = threading.Lock()  # the engine thread and KV senders share each pipe
-        self._jobs: dict[int, Future] = {}
+        self._jobs: list[dict[int, Future]] = [{} for _ in range(spec.size - 1)]  # per rank 1.., by job id
         self._job_ids = itertools.count()
-        for rank in range(1, spec.size):
-            ours, theirs = socket.socketpair()
-            with theirs:
-                proc = subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()])
-            conn = Connection(ours.detach())
-            conn.send(spec)
-            self._conns.append(conn)
-            self._procs.append(proc)
         try:
+            for rank in range(1, spec.size):
+                ours, theirs = socket.socketpair()
+                with theirs:
+                    proc = subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(theirs.fileno()),
+                                             str(os.getpid())], pass_fds=[theirs.fileno()])
+                self._procs.append(proc)
+                self._conns.append(Connection(ours.detach()))
+                self._conns[-1].send(spec)
             self.group = ProcessGroup(0, spec.size, device, spec.port, spec.timeout)
         except BaseException:
             self.close()
@@ -144,14 +149,14 @@ class RankPool:
     def write(self, rank: int, writes: list[Writes]) -> Future:
         """Have rank `rank` (>= 1) make `writes` from its KV buffer; the future ends when it has."""
         future: Future = Future()
-        job = next(self._job_ids)
-        self._jobs[job] = future
+        job, jobs = next(self._job_ids), self._jobs[rank - 1]
+        jobs[job] = future
         try:
             with self._send_lock:
                 self._conns[rank - 1].send_bytes(pickle.dumps(WriteJob(job, writes), protocol=pickle.HIGHEST_PROTOCOL))
         except OSError as e:
-            self._jobs.pop(job, None)
-            future.set_exception(RuntimeError(f"tensor-parallel rank {rank} is gone: {e}"))
+            if jobs.pop(job, None) is not None:  # else the reader has failed it already
+                future.set_exception(RuntimeError(f"tensor-parallel rank {rank} is gone: {e}"))
         return future
 
     def relayout(self, pages: list[int]) -> None:
@@ -162,20 +167,22 @@ class RankPool:
                 conn.send_bytes(message)
 
     def _read(self, rank: int, conn: Connection) -> None:
-        """Answers to write jobs, until the pipe closes; jobs left unanswered then fail."""
+        """Rank `rank`'s answers to its write jobs ("written", job, error), until its pipe
+        closes; its jobs left unanswered then fail."""
+        jobs = self._jobs[rank - 1]
         try:
             while True:
                 _, job, error = conn.recv()
-                future = self._jobs.pop(job)
+                future = jobs.pop(job)
                 if error is None:
                     future.set_result(None)
                 else:
                     future.set_exception(RuntimeError(f"tensor-parallel rank {rank}: {error}"))
         except (EOFError, OSError):
             pass
-        for job, future in list(self._jobs.items()):
-            if not future.done():
-                self._jobs.pop(job, None)
+        for job in list(jobs):
+            future = jobs.pop(job, None)
+            if future is not None:
                 future.set_exception(RuntimeError(f"tensor-parallel rank {rank} is gone"))
 
     def explain(self, error: BaseException, wait: float = 2.0) -> str:
@@ -211,7 +218,7 @@ class RankPool:
             self.group.close()
 
 
-def run_rank(rank: int, conn: Connection) -> None:
+def run_rank(rank: int, conn: Connection, parent: int) -> None:
     """Main of rank `rank` >= 1: build its share, then run each forward pass rank 0 sends."""
     from tandem.kernels.attention import create_backend
     from tandem.kernels.kv_cache import PagedKVCache
@@ -220,10 +227,13 @@ def run_rank(rank: int, conn: Connection) -> None:
     from tandem.server.runner import forward_pass
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    _die_with_parent(parent)
     try:
         spec: RankSpec = conn.recv()
         torch.set_num_threads(threads_per_rank(spec.num_threads, spec.size))
         device = rank_device(resolve_device(spec.device), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # kernels and the transfer engine that use "the" device
         group = ProcessGroup(rank, spec.size, device, spec.port, spec.timeout)
         model = load_model(spec.model, spec.dtype, str(device), spec.prefill_dtype, Shard(rank, spec.size),
                            group.all_reduce)
@@ -276,7 +286,18 @@ def run_rank(rank: int, conn: Connection) -> None:
     group.close()
 
 
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when rank 0 (process `parent`) exits, whatever it is
+    doing (Linux)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        log.warning("cannot ask to die with the parent process: relying on the pipe closing")
+    if os.getppid() != parent:  # rank 0 exited before the request took effect
+        sys.exit(1)
+
+
 if __name__ == "__main__":  # run from the module proper, whose classes rank 0's messages are pickled as
     from tandem.server.parallel import workers
 
-    workers.run_rank(int(sys.argv[1]), Connection(int(sys.argv[2])))
+    workers.run_rank(int(sys.argv[1]), Connection(int(sys.argv[2])), int(sys.argv[3]))

@@ -16,7 +16,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from support.checks import assert_matches_reference
 from support.prompts import prompts
-from support.serving import ServerProcess
+from support.serving import ServerProcess, process_gone
 from tandem.server.sampling_params import SamplingParams
 from tandem.tools.client import Client, request_message
 
@@ -30,14 +30,6 @@ def rank_processes(pid: int) -> dict[int, int]:
             if b"tandem.server.parallel.workers" in argv:
                 ranks[int(argv[argv.index(b"tandem.server.parallel.workers") + 1])] = int(child)
     return ranks
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def test_tp3_server_serves_exactly_then_fails_fast_when_a_rank_dies(tmp_path, smollm_fp32, hf_reference):
@@ -76,9 +68,9 @@ def test_tp3_server_serves_exactly_then_fails_fast_when_a_rank_dies(tmp_path, sm
         assert server.proc.wait(60) == 1
         assert "stopping: tensor-parallel rank 2 exited" in server.log_path.read_text()
         deadline = time.monotonic() + 20
-        while not gone(ranks[1]) and time.monotonic() < deadline:
+        while not process_gone(ranks[1]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert gone(ranks[1]), "rank 1 outlived the server"
+        assert process_gone(ranks[1]), "rank 1 outlived the server"
     finally:
         client.close()
         server.stop()

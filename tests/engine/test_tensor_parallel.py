@@ -5,12 +5,11 @@ tests/e2e/test_tensor_parallel_pd.py and test_tensor_parallel_server.py.)"""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from support.checks import assert_engine_clean, assert_matches_reference
 from support.prompts import prompts
+from support.serving import process_gone
 from tandem.server.config import EngineConfig
 from tandem.server.engine import Engine
 from tandem.server.sampling_params import SamplingParams
@@ -42,14 +41,6 @@ def rank_pids(engine) -> list[int]:
     return [p.pid for p in engine.ranks._procs]
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_three_ranks_match_the_reference(workload):
     engine = tp_engine(page_size=16, chunked_prefill_size=256, max_total_tokens=16384)
     try:
@@ -61,7 +52,7 @@ def test_three_ranks_match_the_reference(workload):
         pids = rank_pids(engine)
     finally:
         engine.shutdown()
-    assert len(pids) == 2 and all(gone(pid) for pid in pids), "a rank outlived its engine"
+    assert len(pids) == 2 and all(process_gone(pid) for pid in pids), "a rank outlived its engine"
 
 
 def test_three_ranks_stay_exact_through_retraction(workload):

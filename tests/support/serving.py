@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -14,7 +15,7 @@ from tandem.tools.stack import (
 )
 
 __all__ = ["PDStack", "RouterProcess", "ServerProcess", "assert_all_freed", "free_port", "http_post", "metric_value",
-           "wait_for"]
+           "process_gone", "wait_for"]
 
 
 class ServerProcess:
@@ -155,6 +156,15 @@ def assert_all_freed(servers, timeout: float = 30) -> None:
             return
         assert time.monotonic() < deadline, f"still held after {timeout}s: {busy}"
         time.sleep(0.2)
+
+
+def process_gone(pid: int) -> bool:
+    """No process `pid` any more (exited and reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def wait_for(condition, what: str, timeout: float = 60, interval: float = 0.05) -> None:
