@@ -7,7 +7,6 @@ computes logits and samples.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,8 +55,8 @@ def forward_pass(model: LlamaForCausalLM, attn: AttentionBackend, inputs: Forwar
 class Peers(Protocol):
     """The other tensor-parallel ranks, as rank 0's runner sees them."""
 
-    def send(self, message: bytes) -> None:
-        """Hand every other rank the next forward pass (pickled ForwardInputs)."""
+    def send(self, inputs: ForwardInputs) -> None:
+        """Hand every other rank the next forward pass."""
 
 
 class ModelRunner:
@@ -74,7 +73,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         inputs = ForwardInputs.of(plan)
         if self.peers is not None:
-            self.peers.send(pickle.dumps(inputs, protocol=pickle.HIGHEST_PROTOCOL))
+            self.peers.send(inputs)
         hidden = forward_pass(self.model, self.attn, inputs, self.device)
         # Only the last position of each sequence that samples needs logits.
         dev = self.device

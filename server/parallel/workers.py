@@ -137,14 +137,19 @@ class RankPool:
                              daemon=True).start()
             threading.Thread(target=self._read, args=(rank, conn), name=f"tandem-tp{rank}-read", daemon=True).start()
 
-    def send(self, message: bytes) -> None:
-        """The next forward pass, to every other rank (raises when one is gone)."""
+    def send(self, inputs) -> None:
+        """The next forward pass (ForwardInputs), to every other rank (raises when one is gone)."""
         start = time.perf_counter()
-        with self._send_lock:
-            for conn in self._conns:
-                conn.send_bytes(message)
+        self._broadcast(inputs)
         self.send_seconds += time.perf_counter() - start
         self.sends += 1
+
+    def _broadcast(self, message) -> None:
+        """`message`, pickled once, down every rank's pipe in the same order."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            for conn in self._conns:
+                conn.send_bytes(data)
 
     def write(self, rank: int, writes: list[Writes]) -> Future:
         """Have rank `rank` (>= 1) make `writes` from its KV buffer; the future ends when it has."""
@@ -161,10 +166,7 @@ class RankPool:
 
     def relayout(self, pages: list[int]) -> None:
         """Every other rank turns `pages` token-major before its next forward pass (the pipe keeps order)."""
-        message = pickle.dumps(Relayout(pages), protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            for conn in self._conns:
-                conn.send_bytes(message)
+        self._broadcast(Relayout(pages))
 
     def _read(self, rank: int, conn: Connection) -> None:
         """Rank `rank`'s answers to its write jobs ("written", job, error), until its pipe
