@@ -176,9 +176,12 @@ def test_rolling_restart_of_both_pools_under_load(stack, capsys):
     load = Load(stack.two_by_two, concurrency=4, seed=4).start()
     try:
         wait_for(lambda: sum(o[1] == 200 for o in load.outcomes) >= 8, "the load getting going")
-        start = len(load.outcomes)
-        for server in stack.prefills + stack.decodes:
+        start, t0 = len(load.outcomes), time.monotonic()
+        windows = []  # (server, seconds from t0 when its restart began, when its successor was serving)
+        for name, server in zip(("prefill0", "prefill1", "decode0", "decode1"), stack.prefills + stack.decodes):
+            began = time.monotonic() - t0
             assert server.restart(signal.SIGTERM) == 0
+            windows.append((name, round(began, 1), round(time.monotonic() - t0, 1)))
         wait_for(lambda: len(load.outcomes) >= start + 60, "60 requests over the roll", timeout=120)
     finally:
         load.stop()
@@ -186,5 +189,7 @@ def test_rolling_restart_of_both_pools_under_load(stack, capsys):
     with capsys.disabled():
         print(f"\nrolling restart of 2 prefill + 2 decode under load: {len(during)} requests, "
               f"{sum(o[1] != 200 for o in during)} failed")
-    assert not load.failures, [(status, body[:300]) for _, status, body in load.failures]
+    failures = load.failures
+    assert not failures, (f"{len(failures)} failed, from {failures[0][0] - t0:.1f}s to {failures[-1][0] - t0:.1f}s; "
+                          f"restarts (began, serving): {windows}; first: {failures[0][1]} {failures[0][2][:300]}")
     assert_all_freed(stack.servers)
