@@ -248,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--skip-hf", action="store_true", help="run tandem only")
     off.add_argument("--compare-tp", type=int, metavar="N", help="run tandem at --tp-size 1 and N instead of HF, and "
                      "report the collectives' cost per step")
+    off.add_argument("--compare-overlap", action="store_true", help="run tandem with and without overlap scheduling "
+                     "instead of HF, and check that both give the same tokens")
     add_arguments(off, EngineConfig)
     off.set_defaults(func=cmd_bench_offline)
 

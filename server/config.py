@@ -52,6 +52,8 @@ class EngineConfig:
     num_threads: int | None = opt(None, "torch CPU threads of each tensor-parallel rank (default: the cores shared evenly)")
     tp_size: int = opt(1, "tensor-parallel ranks: processes (one GPU each on CUDA) that each hold 1/N of every layer's "
                           "heads and features; must divide the model's query and KV heads")
+    disable_overlap_schedule: bool = opt(
+        False, "run each step's scheduling and output processing between forward passes instead of during them")
     tp_timeout: float = opt(120.0, "seconds tensor-parallel ranks wait for each other in a collective before the "
                                    "server fails (and exits) rather than hang")
 

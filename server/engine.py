@@ -20,6 +20,15 @@ with an error) when one of them is lost.
 One iteration of the loop: apply the inbox, then `step()`: poll the KV connector (handing it
 what the scheduler reports, applying what it asks through the scheduler) -> schedule ->
 execute -> update -> publish outputs.
+
+Overlap scheduling (the default; `--disable-overlap-schedule` turns it off) is a second loop
+over the same calls, `step_overlapped()`: the forward passes run on a runner thread, and while
+it computes step N the engine thread plans step N+1 and launches it, then takes step N's output
+(update, publish). The runner thread then does all of the process's torch work, the model's
+loading included, for the reason above. Every step runs after the one launched before it, so
+what the scheduler frees or shares now is only read or written again by later steps. A failed
+forward pass fails the engine, as it does with tensor parallelism: the step after it is already
+running on its output.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 import torch
@@ -42,6 +51,7 @@ from tandem.server.kv_pool import kv_layout, num_kv_pages
 from tandem.server.memory import KVMemory
 from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
 from tandem.server.outputs import CompletedOutput
+from tandem.server.plan import StepOutput, StepPlan
 from tandem.server.output_processor import OutputProcessor
 from tandem.server.parallel.group import threads_per_rank
 from tandem.server.parallel.workers import RankPool, RankSpec
@@ -72,6 +82,10 @@ class Engine:
         self.inbox = Inbox()
         self.failure: str | None = None  # why the loop failed (a lost tensor-parallel rank), None while it has not
         self.ranks: RankPool | None = None  # tensor-parallel ranks 1..N-1, with --tp-size > 1
+        self.overlap = not config.disable_overlap_schedule
+        # Overlap scheduling: the one thread that runs forward passes (and every other torch call).
+        self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-runner") if self.overlap else None
+        self._in_flight: tuple[StepPlan, Future] | None = None  # launched, not yet updated (overlap)
         self._started = False
         self._go = threading.Event()  # set by start() or shutdown(): the built engine thread goes on
         built: Future = Future()
@@ -239,7 +253,10 @@ class Engine:
     def _run(self, built: Future, model: LoadedModel | None, disagg: DisaggConfig, host: str, port: int | None) -> None:
         """Build, wait for start() (or shutdown()), then loop until stopped."""
         try:
-            self._build(model, disagg, host, port)
+            if self._runner_thread is not None:
+                self._runner_thread.submit(self._build, model, disagg, host, port).result()
+            else:
+                self._build(model, disagg, host, port)
         except BaseException as e:
             self.inbox.close()
             if hasattr(self, "connector"):  # a prefill's bootstrap service may already listen
@@ -250,9 +267,10 @@ class Engine:
             return
         built.set_result(None)
         self._go.wait()
+        step = self.step_overlapped if self.overlap else self.step
         try:
             while self._started and self._apply_inbox(self._idle_timeout()):
-                self.step()
+                step()
         except BaseException as e:
             self.failure = self.failure or f"engine loop crashed: {type(e).__name__}: {e}"
             log.exception("engine loop crashed")
@@ -264,6 +282,9 @@ class Engine:
         """The loop is over (`left`: what the closed inbox still held). Requests that ended in the
         scheduler go to the connector first (a prefill starts their KV writes, which closing it
         waits for); every stream still open ends with finish_reason abort."""
+        if self._in_flight is not None:  # the device is done with the KV cache before the connector closes
+            wait([self._in_flight[1]])
+            self._in_flight = None
         finished = self.scheduler.take_handed_off()
         try:
             if finished:
@@ -274,6 +295,8 @@ class Engine:
         finally:
             if self.ranks is not None:
                 self.ranks.close()
+            if self._runner_thread is not None:
+                self._runner_thread.shutdown()
         for message in left:
             if isinstance(message, Add):
                 self.outputs.open(message.stream)
@@ -286,7 +309,7 @@ class Engine:
 
     def _idle_timeout(self) -> float | None:
         """How long the loop may wait for inbox traffic: 0 when the scheduler has work."""
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._in_flight is not None:
             return 0.0
         return self.connector.idle_wait()
 
@@ -321,21 +344,54 @@ class Engine:
         if plan is not None:
             try:
                 out = self.runner.execute(plan)
-            except Exception as e:  # keep serving: fail this step's requests, not the engine
-                if self.ranks is not None:  # unless the ranks may now disagree about the KV cache
-                    log.exception("forward pass failed across the tensor-parallel ranks")
-                    self._fail(self.ranks.explain(e))
-                    return
-                log.exception("forward pass failed")
-                for seq in plan.seqs:
-                    self.scheduler.abort(seq.rid, f"forward pass failed: {type(e).__name__}: {e}", "internal")
+            except Exception as e:
+                self._step_failed(plan, e)
             else:
-                for req in self.scheduler.update(plan, out):
-                    self.outputs.publish(req)
+                self._update(plan, out)
         elif self.scheduler.has_work():
             time.sleep(0.001)  # nothing fits right now; let inbox traffic (aborts) through
         self.outputs.publish_ended()
         self._publish_snapshot()
+
+    def step_overlapped(self) -> None:
+        """poll -> schedule step N+1 and launch it on the runner thread -> update step N (waiting
+        for its output) -> publish; step N+1 computes meanwhile."""
+        self._poll_connector()
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan is not None:
+            launched = plan, self._runner_thread.submit(self.runner.run, self.runner.prepare(plan))
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            ran, future = previous
+            try:
+                out = future.result()
+            except Exception as e:
+                self._step_failed(ran, e)
+            else:
+                self._update(ran, out)
+        elif plan is None and self.scheduler.has_work():
+            time.sleep(0.001)
+        self.outputs.publish_ended()
+        self._publish_snapshot()
+
+    def _update(self, plan: StepPlan, out: StepOutput) -> None:
+        for req in self.scheduler.update(plan, out):
+            self.outputs.publish(req)
+
+    def _step_failed(self, plan: StepPlan, error: Exception) -> None:
+        """Fail the step's requests and keep serving; or, where other work already depends on the
+        step (tensor-parallel ranks that may now disagree about the KV cache, the next step under
+        overlap scheduling), fail the engine."""
+        if self.ranks is not None:
+            log.exception("forward pass failed across the tensor-parallel ranks")
+            self._fail(self.ranks.explain(error))
+        elif self.overlap:
+            log.exception("forward pass failed")
+            self._fail(f"forward pass failed: {type(error).__name__}: {error}")
+        else:
+            log.exception("forward pass failed")
+            self.scheduler.fail(plan, f"forward pass failed: {type(error).__name__}: {error}")
 
     def _poll_connector(self) -> None:
         """The one exchange with the KV connector per step: it gets what the scheduler reports,

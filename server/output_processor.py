@@ -81,7 +81,7 @@ class OutputProcessor:
             token_ids=new_ids,
             text=delta,
             prompt_tokens=req.prompt_len,
-            completion_tokens=req.num_output,
+            completion_tokens=live.sent_tokens,
             cached_tokens=req.num_cached_prompt,
             finished=req.finished,
             finish_reason=finish.reason if finish else None,

@@ -65,7 +65,11 @@ class Request:
     pages: list[int] = field(default_factory=list)
     cached_pages: int = 0
     cache_node: object = None
-    num_computed: int = 0  # leading tokens whose KV is written in `pages`
+    num_computed: int = 0  # leading tokens whose KV is in `pages`, or being written by a launched step
+    # Tokens launched forward passes sample for this request, not yet known (0, or 1 or 2 under
+    # overlap scheduling): they count in `num_tokens` (and `num_output`) and join `token_ids` at
+    # their steps' updates.
+    sampling: int = 0
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on first admission
     num_retractions: int = 0
     admit_time: float | None = None  # first admission (monotonic), stamped by the scheduler
@@ -73,16 +77,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens of the request, those being sampled included."""
+        return len(self.token_ids) + self.sampling
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        return self.num_tokens - self.prompt_len
 
     @property
     def pending(self) -> int:
         """Tokens whose KV is not yet computed; the next forward passes must run them."""
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def is_decoding(self) -> bool:

@@ -1,5 +1,10 @@
 """The model runner: turns a StepPlan into tensors, runs the forward pass and samples.
 
+`execute(plan)` is `run(prepare(plan))`. `prepare` copies out of the plan, in plain Python, all
+that the pass needs, so the scheduler may go on changing its requests once it returns; `run`
+does the torch work. Under overlap scheduling they run on different threads, and `run` fills in
+each FUTURE_TOKEN with what the step before sampled for that request.
+
 With tensor parallelism the runner is rank 0's: each forward pass's `ForwardInputs` go to the
 other ranks (`peers`) first, every rank runs `forward_pass` over its heads, and rank 0 alone
 computes logits and samples.
@@ -16,7 +21,7 @@ from tandem.kernels.attention import AttentionBackend, AttentionBatch, create_ba
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.sampling import SamplingRow, sample
 from tandem.server.model.llama import LlamaForCausalLM
-from tandem.server.plan import StepOutput, StepPlan
+from tandem.server.plan import FUTURE_TOKEN, StepOutput, StepPlan
 
 
 @dataclass
@@ -59,6 +64,19 @@ class Peers(Protocol):
         """Hand every other rank the next forward pass."""
 
 
+@dataclass
+class PreparedStep:
+    """A StepPlan copied into what `ModelRunner.run` needs; shares nothing the scheduler changes."""
+
+    inputs: ForwardInputs
+    futures: list[tuple[int, str]]  # (index into inputs.input_ids, rid): FUTURE_TOKENs to fill in
+    samples: list[tuple[int, int, str]]  # (seq index, row of the hidden states, rid) per sequence that samples
+    rows: list[SamplingRow]  # aligned with `samples`; a history ending in FUTURE_TOKEN is filled in too
+    num_seqs: int
+    want_logprobs: list[bool]  # aligned with `samples`
+    top_logprobs: list[int]  # aligned with `samples`
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, attention_backend: str = "auto",
                  peers: Peers | None = None):
@@ -68,35 +86,53 @@ class ModelRunner:
         self.peers = peers
         c = model.config
         self.attn = create_backend(attention_backend, kv_cache, c.num_heads, c.head_dim)
+        self._sampled: dict[str, int] = {}  # rid -> token the last pass sampled (for FUTURE_TOKENs)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        return self.run(self.prepare(plan))
+
+    @staticmethod
+    def prepare(plan: StepPlan) -> PreparedStep:
+        inputs = ForwardInputs.of(plan)
+        futures, samples, rows = [], [], []
+        end = 0
+        for i, seq in enumerate(plan.seqs):
+            end += len(seq.token_ids)
+            if seq.token_ids[-1] == FUTURE_TOKEN:
+                futures.append((end - 1, seq.rid))
+            if seq.sample:
+                samples.append((i, end - 1, seq.rid))
+                history = seq.history[: seq.start_pos] + seq.token_ids if seq.params.has_penalties else None
+                rows.append(SamplingRow(seq.params, seq.seed, history, seq.prompt_len))
+        return PreparedStep(inputs, futures, samples, rows, len(plan.seqs),
+                            [r.params.logprobs for r in rows], [r.params.top_logprobs for r in rows])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
-        inputs = ForwardInputs.of(plan)
+    def run(self, step: PreparedStep) -> StepOutput:
+        sampled, self._sampled = self._sampled, {}  # a pass that fails leaves nothing to fill in from
+        for index, rid in step.futures:
+            if rid not in sampled:
+                raise RuntimeError(f"request {rid}'s input token was to come from the pass before, which did not sample it")
+            step.inputs.input_ids[index] = sampled[rid]
+        for row, (_, _, rid) in zip(step.rows, step.samples):
+            if row.history and row.history[-1] == FUTURE_TOKEN:
+                row.history[-1] = sampled[rid]
         if self.peers is not None:
-            self.peers.send(inputs)
-        hidden = forward_pass(self.model, self.attn, inputs, self.device)
+            self.peers.send(step.inputs)
+        hidden = forward_pass(self.model, self.attn, step.inputs, self.device)
         # Only the last position of each sequence that samples needs logits.
-        dev = self.device
-        ends, last_rows = 0, []
-        for i, seq in enumerate(plan.seqs):
-            ends += len(seq.token_ids)
-            if seq.sample:
-                last_rows.append((i, ends - 1))
-        next_tokens: list[int | None] = [None] * len(plan.seqs)
-        if not last_rows:
+        next_tokens: list[int | None] = [None] * step.num_seqs
+        if not step.samples:
             return StepOutput(next_tokens)
-        logits = self.model.logits(hidden[torch.tensor([r for _, r in last_rows], device=dev)])
-        seqs = [plan.seqs[i] for i, _ in last_rows]
-        rows = [SamplingRow(s.params, s.seed, s.history if s.params.has_penalties else None, s.prompt_len) for s in seqs]
-        want_lp = any(s.params.logprobs for s in seqs)
-        num_top = max(s.params.top_logprobs for s in seqs)
-        ids, lps, tops = sample(logits, rows, num_top, want_lp)
-        logprobs: list[float | None] = [None] * len(plan.seqs) if want_lp else []
-        top_logprobs: list = [None] * len(plan.seqs) if num_top else []
-        for j, (i, _) in enumerate(last_rows):
-            next_tokens[i] = ids[j]
-            if want_lp and plan.seqs[i].params.logprobs:
+        logits = self.model.logits(hidden[torch.tensor([r for _, r, _ in step.samples], device=self.device)])
+        want_lp, num_top = any(step.want_logprobs), max(step.top_logprobs)
+        ids, lps, tops = sample(logits, step.rows, num_top, want_lp)
+        logprobs: list[float | None] = [None] * step.num_seqs if want_lp else []
+        top_logprobs: list = [None] * step.num_seqs if num_top else []
+        for j, (i, _, rid) in enumerate(step.samples):
+            next_tokens[i] = self._sampled[rid] = ids[j]
+            if step.want_logprobs[j]:
                 logprobs[i] = lps[j]
-            if num_top and plan.seqs[i].params.top_logprobs:
-                top_logprobs[i] = tops[j][: plan.seqs[i].params.top_logprobs]
+            if step.top_logprobs[j]:
+                top_logprobs[i] = tops[j][: step.top_logprobs[j]]
         return StepOutput(next_tokens, logprobs, top_logprobs)

@@ -4,6 +4,14 @@ One step is `plan = scheduler.schedule()`, `out = runner.execute(plan)`,
 `finished = scheduler.update(plan, out)`. Requests move waiting -> running (maybe through one
 chunked-prefill step after another) -> finished; retraction sends a running request back to the
 front of the waiting queue with its computed prefix left in the prefix cache.
+
+A planned step counts at once: its tokens as computed, its samples as pending
+(`Request.sampling`). So the next step can be planned before this one's update (overlap
+scheduling): a decode whose input token is still being sampled runs FUTURE_TOKEN, and a request
+that ends at an update may already be in the step after, whose sample for it is dropped. Every
+step runs after the one planned before it (one runner thread, one device stream), so pages freed
+now are written again only by later steps; that is why a finished request's pages need no
+deferred free.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.server.memory import KVMemory
-from tandem.server.plan import Phase, SeqPlan, StepOutput, StepPlan
+from tandem.server.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
 from tandem.server.policy import NewTokenRatio, PrefillBudget, order_waiting
 from tandem.server.request import Finish, Request, Status
 
@@ -57,6 +65,7 @@ class Scheduler:
         self.running: list[Request] = []  # hold a slot and have sampled at least once
         self.chunked: Request | None = None  # holds a slot, prompt only partly computed
         self.handed_off: list[Request] = []  # ended, still holding what they held (hand_off_finished)
+        self.launched: deque[tuple[StepPlan, list[Request]]] = deque()  # planned, not yet updated; oldest first
         self.ratio = NewTokenRatio(
             config.init_new_token_ratio, config.min_new_token_ratio, config.new_token_ratio_decay_steps
         )
@@ -143,9 +152,15 @@ class Scheduler:
             return None
         phase = Phase.MIXED if prefills and decodes else Phase.PREFILL if prefills else Phase.DECODE
         self.stats.forward_steps += 1
-        return StepPlan(phase, prefills + decodes, len(prefills), self.page_size)
+        plan = StepPlan(phase, [seq for seq, _ in prefills + decodes], len(prefills), self.page_size)
+        reqs = [req for _, req in prefills + decodes]
+        for seq, req in zip(plan.seqs, reqs):
+            req.num_computed += len(seq.token_ids)
+            req.sampling += seq.sample
+        self.launched.append((plan, reqs))
+        return plan
 
-    def _schedule_prefills(self) -> list[SeqPlan]:
+    def _schedule_prefills(self) -> list[tuple[SeqPlan, Request]]:
         if not self.waiting and self.chunked is None:
             return []
         cfg = self.config
@@ -156,13 +171,13 @@ class Scheduler:
             rem_chunk=cfg.chunked_prefill_size or None,
             page_size=self.page_size,
         )
-        plans: list[SeqPlan] = []
+        plans: list[tuple[SeqPlan, Request]] = []
         if self.chunked is not None:
             req = self.chunked
             take = budget.take(req.pending, self._reserve(req, plans), first=True)
             if take == 0 or not self.memory.grow(req, req.num_computed + take):
                 return []  # the chunk waits; decodes (or a retraction) make room
-            plans.append(self._seq(req, take))
+            plans.append((self._seq(req, take), req))
             if take < req.pending:
                 return plans  # still chunked: nothing else joins
             self.chunked = None
@@ -172,6 +187,8 @@ class Scheduler:
         for req, match in order_waiting(self.waiting, cfg.schedule_policy, self.memory):
             if slots_left <= 0:
                 break
+            if req.sampling:  # retracted while a step samples its next token: back once it is known
+                continue
             cached = len(match.pages) * self.page_size
             extend = req.num_tokens - cached
             take = budget.take(extend, self._reserve(req, plans), first=not plans)
@@ -186,7 +203,7 @@ class Scheduler:
                 self.stats.prefix_query_tokens += req.prompt_len
                 self.stats.prefix_hit_tokens += cached
                 req.num_cached_prompt = cached
-            plans.append(self._seq(req, take))
+            plans.append((self._seq(req, take), req))
             if take < extend:
                 self.chunked = req
                 break
@@ -202,8 +219,9 @@ class Scheduler:
         reserving could only stall it forever, and retraction covers any overflow."""
         return self.ratio.reserve(req) if self.running or planned else 0
 
-    def _schedule_decodes(self) -> list[SeqPlan]:
-        decoding = [r for r in self.running if r.is_decoding]
+    def _schedule_decodes(self) -> list[tuple[SeqPlan, Request]]:
+        # A request whose pending sample is its last (max_new_tokens) ends at that step's update.
+        decoding = [r for r in self.running if r.is_decoding and r.remaining_new_tokens > 0]
         if not decoding:
             return []
         retracted = False
@@ -224,7 +242,7 @@ class Scheduler:
                 self._finish(req, Finish("abort", message="KV cache exhausted: the request no longer fits the pool",
                                          code="resource_exhausted"))
                 continue
-            plans.append(self._seq(req, 1))
+            plans.append((self._seq(req, 1), req))
         if not retracted:  # a retraction just reset the ratio; decaying it now would undo that
             self.ratio.step()
         return plans
@@ -252,9 +270,12 @@ class Scheduler:
 
     def _seq(self, req: Request, take: int) -> SeqPlan:
         start = req.num_computed
+        token_ids = req.token_ids[start : start + take]
+        if len(token_ids) < take:  # the last token is the one a launched step samples
+            token_ids.append(FUTURE_TOKEN)
         return SeqPlan(
             rid=req.rid,
-            token_ids=req.token_ids[start : start + take],
+            token_ids=token_ids,
             start_pos=start,
             pages=req.pages,
             sample=start + take == req.num_tokens,
@@ -266,21 +287,19 @@ class Scheduler:
 
     # -- update -----------------------------------------------------------------------------------
     def update(self, plan: StepPlan, out: StepOutput) -> list[Request]:
-        """Apply a finished forward pass. Returns the requests that got a new token (some of them
-        now finished), in plan order."""
-        by_rid = {r.rid: r for r in self.running}
-        if self.chunked is not None:
-            by_rid[self.chunked.rid] = self.chunked
+        """Apply a finished forward pass (the oldest one planned and not yet updated). Returns the
+        requests that got a new token (some of them now finished), in plan order."""
+        reqs = self._settle(plan)
         touched = []
-        for i, seq in enumerate(plan.seqs):
-            req = by_rid.get(seq.rid)
-            if req is None:  # aborted while the pass ran
-                continue
-            req.num_computed += len(seq.token_ids)
+        for i, (seq, req) in enumerate(zip(plan.seqs, reqs)):
             if not seq.sample:
-                self.memory.cache_computed(req)  # share the finished chunk with later requests
+                if req.status is Status.RUNNING:
+                    self.memory.cache_computed(req)  # share the finished chunk with later requests
+                continue
+            if req.finished:  # aborted, or stopped by the step before, while this one ran
                 continue
             token = out.next_tokens[i]
+            req.sampling -= 1
             req.token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
@@ -294,13 +313,26 @@ class Scheduler:
             touched.append(req)
         return touched
 
+    def fail(self, plan: StepPlan, message: str) -> None:
+        """A forward pass failed (the oldest one not yet updated): its requests end with an error;
+        the tokens it was to compute are not counted, so none of its KV reaches the prefix cache."""
+        for seq, req in zip(plan.seqs, self._settle(plan)):
+            if not req.finished:
+                req.num_computed = min(req.num_computed, seq.start_pos)
+                self._finish(req, Finish("abort", message=message, code="internal"))
+
+    def _settle(self, plan: StepPlan) -> list[Request]:
+        launched, reqs = self.launched.popleft()
+        assert launched is plan, "steps are updated in the order they were planned"
+        return reqs
+
     @staticmethod
     def _stop_reason(req: Request, token: int) -> Finish | None:
         if token in req.eos_ids and not req.params.ignore_eos:
             return Finish("stop", matched=token)
         if token in req.params.stop_token_ids:
             return Finish("stop", matched=token)
-        if req.num_output >= req.max_new_tokens:
+        if len(req.token_ids) - req.prompt_len >= req.max_new_tokens:  # the tokens known, not those in flight
             return Finish("length")
         return None
 
@@ -313,6 +345,7 @@ class Scheduler:
             self.running.remove(req)
         req.status = Status.FINISHED
         req.finish = finish
+        req.sampling = 0  # a sample still in flight is dropped at its update
         if self.config.hand_off_finished:
             self.handed_off.append(req)
         else:

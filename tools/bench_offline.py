@@ -6,6 +6,9 @@ for each and the ratio, as a table and as one JSON line.
 step, what tensor parallelism costs rank 0: time in all-reduces (the transfer and the wait for the
 slowest rank) and time handing each pass to the other ranks.
 
+`--compare-overlap` runs it with the plain loop (--disable-overlap-schedule) and the overlapped
+one instead (no HF), checks that both produced the same tokens, and reports the ratio.
+
 Every request generates exactly its drawn output length (greedy, EOS ignored). HF runs batches
 of `--hf-batch-size` in arrival order, left-padded, each until its longest request is done; only
 the requested tokens count towards its throughput.
@@ -34,7 +37,8 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     return work
 
 
-def run_tandem(config: EngineConfig, work) -> dict:
+def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
+    """`outputs`: if given, gets each request's output token ids."""
     from tandem.server.engine import Engine
     from tandem.server.sampling_params import SamplingParams
 
@@ -51,11 +55,14 @@ def run_tandem(config: EngineConfig, work) -> dict:
         dtype = str(engine.model.dtype).removeprefix("torch.")
         ranks = engine.ranks
         tp = None if ranks is None else (ranks.group.calls, ranks.group.seconds, ranks.sends, ranks.send_seconds)
+    if outputs is not None:
+        outputs.extend(r.output_ids for r in results)
     tokens = sum(len(r.output_ids) for r in results)
     assert tokens == sum(n for _, n in work), "tandem produced the wrong number of tokens"
     ttft = sorted(r.time_to_first_token for r in results)
     result = {
         "tp_size": config.tp_size,
+        "overlap": not config.disable_overlap_schedule,
         "output_tokens": tokens,
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(tokens / elapsed, 1),
@@ -120,6 +127,22 @@ def compare_tp(config: EngineConfig, work, size: int, result: dict) -> int:
     return 0
 
 
+def compare_overlap(config: EngineConfig, work, result: dict) -> int:
+    """The workload with the plain loop, then overlapped, in this run."""
+    from dataclasses import replace
+
+    outputs = {}
+    for name, disable in (("plain", True), ("overlap", False)):
+        outputs[name] = []
+        result[name] = run_tandem(replace(config, disable_overlap_schedule=disable), work, outputs[name])
+        print(f"{name}: {result[name]}", flush=True)
+    result["same_tokens"] = outputs["plain"] == outputs["overlap"]
+    result["ratio"] = round(result["overlap"]["tokens_per_s"] / result["plain"]["tokens_per_s"], 3)
+    print(f"overlap / plain = {result['ratio']}x tokens/s; same tokens: {result['same_tokens']}", flush=True)
+    print(json.dumps(result))
+    return 0 if result["same_tokens"] else 1
+
+
 def run(config: EngineConfig, args) -> int:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -134,6 +157,8 @@ def run(config: EngineConfig, args) -> int:
     result = {"bench": "offline", "dtype": config.dtype, "num_requests": len(work)}
     if args.compare_tp:
         return compare_tp(config, work, args.compare_tp, result)
+    if args.compare_overlap:
+        return compare_overlap(config, work, result)
     result["tandem"] = run_tandem(config, work)
     print(f"tandem: {result['tandem']}", flush=True)
     if not args.skip_hf:

@@ -1,12 +1,13 @@
 """Scheduler driven by a fake runner: admission, chunked prefill, mixed batches, retraction, the
-new-token ratio, queue order, aborts and stop conditions. No model, no torch."""
+new-token ratio, queue order, aborts and stop conditions, in the plain loop and the overlapped
+one (each step planned before the one before it is updated). No model, no torch."""
 
 from __future__ import annotations
 
 import pytest
 
 from tandem.server.memory import KVMemory
-from tandem.server.plan import Phase, SeqPlan, StepOutput, StepPlan
+from tandem.server.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
 from tandem.server.request import Finish, Request, Status
 from tandem.server.sampling_params import SamplingParams
 from tandem.server.scheduler import Scheduler, SchedulerConfig
@@ -50,27 +51,33 @@ def outputs(req: Request) -> list[int]:
 class FakeRunner:
     """Writes every planned token into a fake KV pool at (page, offset) and checks that all earlier
     positions of the sequence read back its own history, so a page shared, swapped or reused wrongly
-    fails the step. Samples `script[num_output]` when given, else TOKEN."""
+    fails the step. Samples `script[num_output]` when given, else TOKEN. Like the real runner, it
+    fills in a FUTURE_TOKEN with what the pass before sampled for that request."""
 
     def __init__(self, page_size: int, script: dict[str, list[int]] | None = None):
         self.page_size = page_size
         self.script = script or {}
         self.kv: dict[tuple[int, int], int] = {}
+        self.sampled: dict[str, int] = {}
 
     def cell(self, pages: list[int], pos: int) -> tuple[int, int]:
         return pages[pos // self.page_size], pos % self.page_size
 
     def __call__(self, plan: StepPlan) -> StepOutput:
+        sampled, self.sampled = self.sampled, {}
         for seq in plan.seqs:
             for pos in range(seq.start_pos):
                 assert self.kv.get(self.cell(seq.pages, pos)) == seq.history[pos], f"{seq.rid}: KV at {pos} is wrong"
-            for pos, token in enumerate(seq.token_ids, seq.start_pos):
+            tokens = seq.token_ids[:-1] + [sampled[seq.rid] if seq.token_ids[-1] == FUTURE_TOKEN else seq.token_ids[-1]]
+            for pos, token in enumerate(tokens, seq.start_pos):
                 self.kv[self.cell(seq.pages, pos)] = token
-        return StepOutput([self.next_token(seq) if seq.sample else None for seq in plan.seqs])
+        out = StepOutput([self.next_token(seq) if seq.sample else None for seq in plan.seqs])
+        self.sampled = {seq.rid: token for seq, token in zip(plan.seqs, out.next_tokens) if seq.sample}
+        return out
 
     def next_token(self, seq: SeqPlan) -> int:
         script = self.script.get(seq.rid)
-        return script[len(seq.history) - seq.prompt_len] if script else TOKEN
+        return script[seq.kv_len - seq.prompt_len] if script else TOKEN
 
 
 def check_plan(plan: StepPlan, page_size: int) -> None:
@@ -109,6 +116,27 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 500
     while sched.has_work():
         assert len(plans) < max_steps, "the scheduler stopped making progress"
         plans.append(step(sched, runner))
+    assert_drained(sched)
+    return plans
+
+
+def run_overlapped(sched: Scheduler, runner: FakeRunner, max_steps: int = 500,
+                   between=lambda plan: None) -> list[StepPlan]:
+    """The overlapped loop: step N+1 is planned (and, in launch order, run) before step N's
+    update. `between(plan)` runs after each plan, before the update of the step before it."""
+    plans, in_flight = [], None
+    while sched.has_work() or in_flight:
+        assert len(plans) < max_steps, "the scheduler stopped making progress"
+        plan = sched.schedule()
+        launched = None
+        if plan is not None:
+            plans.append(plan)
+            launched = plan, runner(plan)
+            between(plan)
+        if in_flight is not None:
+            sched.update(*in_flight)
+            sched.check_integrity()
+        in_flight = launched
     assert_drained(sched)
     return plans
 
@@ -547,3 +575,90 @@ def test_add_prefilled_joins_running_without_a_prompt_pass(first_token, finished
     plans = run_to_completion(sched, runner)
     assert all(p.phase is Phase.DECODE for p in plans)  # the prompt never ran here
     assert outputs(req) == ([EOS] if finished else [TOKEN] * 3)
+
+
+# -- overlap scheduling ------------------------------------------------------------------------------
+def overlap_workload(page_size: int = 2):
+    """Ten requests sharing a system prompt, some chunked, some stopping on EOS or a stop token
+    before their limit, on a pool tight enough to retract."""
+    system = [40, 41, 42, 43, 44, 45]
+    reqs = [make_request(f"r{i}", system + [i] * (i % 4 + 1), max_new_tokens=3 + i % 5,
+                         **({"stop_token_ids": (9,)} if i % 3 == 0 else {})) for i in range(10)]
+    script = {f"r{i}": [7, 8, 9, EOS, 7, 7, 7, 7] if i % 2 else [7] * 8 for i in range(10)}
+    return reqs, script
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_overlapped_loop_gives_the_plain_loops_tokens_and_frees_everything(mixed):
+    config = dict(num_pages=12, page_size=2, max_running_requests=4, chunked_prefill_size=6, enable_mixed_chunk=mixed,
+                  init_new_token_ratio=0.3, min_new_token_ratio=0.0)
+    results = []
+    for drive in (run_to_completion, run_overlapped):
+        sched = make_scheduler(**config)
+        reqs, script = overlap_workload()
+        for req in reqs:
+            sched.add(req)
+        drive(sched, FakeRunner(2, script))
+        results.append([(outputs(r), r.finish) for r in reqs])
+        assert sched.stats.retractions > 0, "the pool is meant to be tight enough to force retractions"
+    assert results[0] == results[1]
+
+
+def test_next_decode_runs_the_token_still_being_sampled():
+    sched = make_scheduler()
+    req = make_request("a", [11, 12, 13], max_new_tokens=3)
+    sched.add(req)
+    plans = run_overlapped(sched, FakeRunner(4, {"a": [5, 6, 7]}))
+    assert [p.seqs[0].token_ids for p in plans] == [[11, 12, 13], [FUTURE_TOKEN], [FUTURE_TOKEN]]
+    assert outputs(req) == [5, 6, 7] and req.finish.reason == "length"
+
+
+def test_a_request_stopped_at_an_update_is_dropped_from_the_step_after():
+    """Its EOS is known only once the next step already runs it: that step's token is not kept,
+    and no step after it plans the request."""
+    sched = make_scheduler()
+    a, b = make_request("a", [11, 12, 13], max_new_tokens=8), make_request("b", [21, 22, 23], max_new_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    plans = run_overlapped(sched, FakeRunner(4, {"a": [5, EOS, 6, 6, 6, 6, 6, 6], "b": [7] * 8}))
+    in_plans = [sum(s.rid == "a" for s in p.seqs) for p in plans]
+    assert in_plans == [1, 1, 1] + [0] * 5, "a runs once more after the step that sampled its EOS"
+    assert outputs(a) == [5, EOS] and a.finish.reason == "stop"
+    assert outputs(b) == [7] * 8
+
+
+def test_a_request_at_its_limit_is_not_planned_while_its_last_token_is_sampled():
+    sched = make_scheduler()
+    req = make_request("a", [11, 12, 13], max_new_tokens=2)
+    sched.add(req)
+    plans = run_overlapped(sched, FakeRunner(4))
+    assert len(plans) == 2 and outputs(req) == [TOKEN, TOKEN]
+
+
+def test_abort_while_two_steps_are_in_flight_frees_everything():
+    sched = make_scheduler()
+    req = make_request("a", [11, 12, 13], max_new_tokens=8)
+    sched.add(req)
+
+    def abort_at_third(plan):
+        if sched.stats.forward_steps == 3:
+            sched.abort("a")
+
+    plans = run_overlapped(sched, FakeRunner(4), between=abort_at_third)
+    assert len(plans) == 3 and outputs(req) == [TOKEN] and req.finish.reason == "abort"
+
+
+def test_a_request_retracted_with_a_token_in_flight_waits_for_it():
+    """Retraction can take a request whose next token a running step samples: it keeps that
+    token and is not admitted again before the token is known."""
+    sched, runner, (a, b, c) = retraction_scenario(2)
+    seen = []
+
+    def watch(plan):
+        for req in sched.waiting:
+            seen.append((req.rid, req.sampling))
+            assert not (req.sampling and any(s.rid == req.rid for s in plan.seqs)), "admitted before its token was known"
+
+    run_overlapped(sched, runner, between=watch)
+    assert ("b", 1) in seen, "b was meant to be retracted with a token in flight"
+    assert outputs(a) == [TOKEN] * 10 and outputs(b) == [TOKEN] * 10 and outputs(c) == [TOKEN] * 2
