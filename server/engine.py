@@ -263,6 +263,8 @@ class Engine:
                 self.connector.close()
             if self.ranks is not None:
                 self.ranks.close()
+            if self._runner_thread is not None:
+                self._runner_thread.shutdown()
             built.set_exception(e)
             return
         built.set_result(None)

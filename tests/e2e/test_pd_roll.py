@@ -188,7 +188,7 @@ def test_rolling_restart_of_both_pools_under_load(stack, capsys):
     during = load.outcomes[start:]
     with capsys.disabled():
         print(f"\nrolling restart of 2 prefill + 2 decode under load: {len(during)} requests, "
-              f"{sum(o[1] != 200 for o in during)} failed")
+              f"{sum(o[1] != 200 for o in during)} failed; restarts (began, serving): {windows}")
     failures = load.failures
     assert not failures, (f"{len(failures)} failed, from {failures[0][0] - t0:.1f}s to {failures[-1][0] - t0:.1f}s; "
                           f"restarts (began, serving): {windows}; first: {failures[0][1]} {failures[0][2][:300]}")

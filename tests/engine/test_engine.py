@@ -294,9 +294,11 @@ def test_hf_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
         resolve_model("hf:acme/absent")
 
 
-def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_here(monkeypatch):
-    """All torch work on one thread (the OpenMP pools: see server/engine.py); what loading raises
-    comes out of the constructor, and nothing is left running."""
+@pytest.mark.parametrize("plain", [False, True], ids=["overlap", "plain"])
+def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_here(monkeypatch, plain):
+    """All torch work on one thread (the OpenMP pools: see server/engine.py), the one that runs
+    the forward passes: the runner thread under overlap scheduling, else the engine thread. What
+    loading raises comes out of the constructor, and nothing is left running."""
     from tandem.server import engine as engine_module
 
     loaded_on = []
@@ -307,9 +309,10 @@ def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_h
 
     monkeypatch.setattr(engine_module, "load_model", failing_load)
     with pytest.raises(ModelLoadError, match="cannot read the model"):
-        engine_module.Engine(EngineConfig(max_total_tokens=2048))
+        engine_module.Engine(EngineConfig(max_total_tokens=2048, disable_overlap_schedule=plain))
     [thread] = loaded_on
-    assert thread.name == "tandem-engine" and thread is not threading.current_thread()
+    assert thread.name.startswith("tandem-engine" if plain else "tandem-runner")
+    assert thread is not threading.current_thread()
     thread.join(timeout=10)
     assert not thread.is_alive()
 

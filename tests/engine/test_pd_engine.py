@@ -58,8 +58,22 @@ def run_pair(p, d, port, prompt, params=GREEDY, room=None, legs=("prefill", "dec
     return {leg: s.result() for leg, s in streams.items()}
 
 
-def test_pd_outputs_equal_the_reference(pd, smollm_fp32, hf_reference):
-    p, d, port = pd
+def test_pd_outputs_equal_the_reference(pd, hf_reference):
+    assert_pd_matches_the_reference(*pd, hf_reference)
+
+
+def test_pd_outputs_equal_the_reference_with_the_plain_loop(smollm_fp32, hf_reference):
+    """Both engines without overlap scheduling (the fixture's pair overlaps, the default)."""
+    p, d, port = make_pd(smollm_fp32, disable_overlap_schedule=True)
+    try:
+        assert not p.overlap and not d.overlap
+        assert_pd_matches_the_reference(p, d, port, hf_reference)
+    finally:
+        for e in (p, d):
+            e.shutdown()
+
+
+def assert_pd_matches_the_reference(p, d, port, hf_reference):
     rng = random.Random(5)
     shared = [rng.randrange(1000, 40000) for _ in range(300)]
     prompts = [shared + [rng.randrange(1000, 40000) for _ in range(n)] for n in (5, 40, 77)]
