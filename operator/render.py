@@ -338,12 +338,10 @@ def router_args(inst: Instance) -> list[str]:
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT),
             # A long prompt keeps a prefill server silent for seconds: not a wedged worker.
             "--worker-wedge-secs", "120", "--worker-startup-check-interval", "2",
-            # Rolling restarts: a pod leaves routing at its first failed health check (a draining
-            # server reports NOT_SERVING; a new one listens only once loaded), or once the router
-            # has had no contact with it for 2 s and a load poll (each second) fails; until then
-            # retries, each with a new prefill/decode pair and room (about 5 s in all), carry its
-            # requests. Two passing checks in a row bring it back.
-            "--health-check-interval-secs", "2", "--health-failure-threshold", "1", "--health-success-threshold", "2",
+            "--health-check-interval-secs", "10",
+            # Rolling restarts: a pod between two processes is excluded once the router has had no
+            # contact with it for 2 s and a load poll (each second) fails; until then retries, each
+            # with a new prefill/decode pair and room (about 5 s in all), carry its requests.
             "--load-monitor-interval", "1", "--retry-max-retries", "10",
             "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000",
             # The router gives up on a PD pair before either tandem leg does.

@@ -118,13 +118,10 @@ def metric_value(text: str, name: str) -> float:
 
 
 # smg treats a PD leg that answers nothing for 3 s as a wedged worker; a CPU prefill of a few long
-# prompts takes longer than that. A server being restarted leaves routing at its first failed
-# health check (each second): a draining server reports NOT_SERVING, and a new one listens only
-# once loaded. Contact lost for 2 s (--worker-stall-secs) with a load poll failing excludes it
-# too; until then, retries (each with a new prefill/decode pair and room, about 5 s in all) carry
-# its requests. It is back after two health checks in a row pass.
+# prompts takes longer than that. A server being restarted is excluded once the router has had no
+# contact with it for 2 s (--worker-stall-secs) and a load poll (each second) fails; until then,
+# retries (each with a new prefill/decode pair and room, about 5 s in all) carry its requests.
 ROUTER_PD_ARGS = ("--worker-wedge-secs", "120", "--load-monitor-interval", "1", "--retry-max-retries", "10",
-                  "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--health-success-threshold", "2",
                   "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000")
 
 
