@@ -51,10 +51,10 @@ from tandem.server.kv_pool import kv_layout, num_kv_pages
 from tandem.server.memory import KVMemory
 from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
 from tandem.server.outputs import CompletedOutput
-from tandem.server.plan import StepOutput, StepPlan
 from tandem.server.output_processor import OutputProcessor
 from tandem.server.parallel.group import threads_per_rank
 from tandem.server.parallel.workers import RankPool, RankSpec
+from tandem.server.plan import StepOutput, StepPlan
 from tandem.server.request import Bootstrap, Finish
 from tandem.server.runner import ModelRunner
 from tandem.server.sampling_params import SamplingParams
