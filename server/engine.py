@@ -385,15 +385,14 @@ class Engine:
         """Fail the step's requests and keep serving; or, where other work already depends on the
         step (tensor-parallel ranks that may now disagree about the KV cache, the next step under
         overlap scheduling), fail the engine."""
+        log.exception("forward pass failed")
+        reason = f"forward pass failed: {type(error).__name__}: {error}"
         if self.ranks is not None:
-            log.exception("forward pass failed across the tensor-parallel ranks")
             self._fail(self.ranks.explain(error))
         elif self.overlap:
-            log.exception("forward pass failed")
-            self._fail(f"forward pass failed: {type(error).__name__}: {error}")
+            self._fail(reason)
         else:
-            log.exception("forward pass failed")
-            self.scheduler.fail(plan, f"forward pass failed: {type(error).__name__}: {error}")
+            self.scheduler.fail(plan, reason)
 
     def _poll_connector(self) -> None:
         """The one exchange with the KV connector per step: it gets what the scheduler reports,

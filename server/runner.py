@@ -73,8 +73,6 @@ class PreparedStep:
     samples: list[tuple[int, int, str]]  # (seq index, row of the hidden states, rid) per sequence that samples
     rows: list[SamplingRow]  # aligned with `samples`; a history ending in FUTURE_TOKEN is filled in too
     num_seqs: int
-    want_logprobs: list[bool]  # aligned with `samples`
-    top_logprobs: list[int]  # aligned with `samples`
 
 
 class ModelRunner:
@@ -104,8 +102,7 @@ class ModelRunner:
                 samples.append((i, end - 1, seq.rid))
                 history = seq.history[: seq.start_pos] + seq.token_ids if seq.params.has_penalties else None
                 rows.append(SamplingRow(seq.params, seq.seed, history, seq.prompt_len))
-        return PreparedStep(inputs, futures, samples, rows, len(plan.seqs),
-                            [r.params.logprobs for r in rows], [r.params.top_logprobs for r in rows])
+        return PreparedStep(inputs, futures, samples, rows, len(plan.seqs))
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepOutput:
@@ -125,14 +122,14 @@ class ModelRunner:
         if not step.samples:
             return StepOutput(next_tokens)
         logits = self.model.logits(hidden[torch.tensor([r for _, r, _ in step.samples], device=self.device)])
-        want_lp, num_top = any(step.want_logprobs), max(step.top_logprobs)
+        want_lp, num_top = any(r.params.logprobs for r in step.rows), max(r.params.top_logprobs for r in step.rows)
         ids, lps, tops = sample(logits, step.rows, num_top, want_lp)
         logprobs: list[float | None] = [None] * step.num_seqs if want_lp else []
         top_logprobs: list = [None] * step.num_seqs if num_top else []
-        for j, (i, _, rid) in enumerate(step.samples):
+        for j, ((i, _, rid), row) in enumerate(zip(step.samples, step.rows)):
             next_tokens[i] = self._sampled[rid] = ids[j]
-            if step.want_logprobs[j]:
+            if row.params.logprobs:
                 logprobs[i] = lps[j]
-            if step.top_logprobs[j]:
-                top_logprobs[i] = tops[j][: step.top_logprobs[j]]
+            if row.params.top_logprobs:
+                top_logprobs[i] = tops[j][: row.params.top_logprobs]
         return StepOutput(next_tokens, logprobs, top_logprobs)
