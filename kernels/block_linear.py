@@ -58,9 +58,11 @@ class BlockWeights:
         return BlockWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))
 
 
-def block_gemm(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
-    """x [M, K] float32 @ w.T -> [M, N] float32."""
-    return torch.ops.tandem.block_gemm(x, w.q, w.scale, w.offset)
+def block_gemm(x: torch.Tensor, w: BlockWeights, tile_rows: int = 0) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32. The kernel streams the weight once per tile of
+    `tile_rows` rows of x (1-8), by default (0) as many as stay in L1 cache (8 at K = 576, 4 at
+    K = 1536)."""
+    return torch.ops.tandem.block_gemm(x, w.q, w.scale, w.offset, tile_rows)
 
 
 def block_gemm_bf16(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:

@@ -10,12 +10,16 @@ projections stay in cache between repeats here; a decode step streams them all f
 `--whole-model` times what a step does instead: one pass over all of the model's projections, each
 layer's own weights (so they stream from memory), per batch size, in the forms a float32 model on
 a CPU can use: the int8 blocks in float32 and in bfloat16 (`block_gemm`, `block_gemm_bf16`) and
-oneDNN over float32 and bfloat16 weights; each form's time over the float32 blocks'.
+oneDNN over float32 and bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
+whatever the projection's width (`8-row tiles`), against the default, which fits each tile of x
+in L1. The forms are timed in turn (median of 15 rounds); each form's time over the float32
+blocks'.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
@@ -46,6 +50,19 @@ def seconds_per_call(fn, min_seconds: float = 0.2) -> float:
     return elapsed / calls
 
 
+def alternated_medians(calls: dict, rounds: int = 15) -> dict[str, float]:
+    """Seconds per call of each of `calls`, timed in turn for `rounds` rounds (after one warm-up
+    round), median of each: forms compared on a busy machine all see the same minutes."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(rounds + 1):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def random_blocks(n_out: int, n_in: int) -> BlockWeights:
     return BlockWeights(torch.randint(0, 16, (n_out, n_in), dtype=torch.int8),
                         torch.rand(n_out, n_in // 32) * 0.01, torch.rand(n_out, n_in // 32) * -0.05)
@@ -60,7 +77,8 @@ def run_whole_model(args) -> int:
     if (why := cpu_ops_unavailable()) is not None:
         raise SystemExit(f"--whole-model compares tandem's block kernels, which cannot run here: {why}")
     blocks = [random_blocks(*shape) for shape in shapes]
-    forms = {"int8 blocks": lambda x: [block_gemm(x[b.q.shape[1]], b) for b in blocks]}
+    forms = {"int8 blocks": lambda x: [block_gemm(x[b.q.shape[1]], b) for b in blocks],
+             "int8 blocks, 8-row tiles": lambda x: [block_gemm(x[b.q.shape[1]], b, tile_rows=8) for b in blocks]}
     if bfloat16_blocks_unavailable() is None:
         forms["int8 blocks, bfloat16"] = lambda x: [block_gemm_bf16(x[b.q.shape[1]], b) for b in blocks]
     for dtype in (torch.float32, torch.bfloat16):
@@ -70,8 +88,7 @@ def run_whole_model(args) -> int:
                 lambda x, linears=linears, dtype=dtype: [lin(x[lin.weight.shape[1]].to(dtype)) for lin in linears])
     for rows in args.rows:
         x = {k: torch.randn(rows, k) for _, k in shapes}
-        times = {name: min(seconds_per_call(lambda: form(x), min_seconds=0.05) for _ in range(3))
-                 for name, form in forms.items()}
+        times = alternated_medians({name: (lambda form=form: form(x)) for name, form in forms.items()})
         base = times["int8 blocks"]
         print(json.dumps({
             "bench": "linear", "whole_model": args.model, "projections": len(shapes), "rows": rows,

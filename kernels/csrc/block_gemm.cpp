@@ -67,14 +67,15 @@ constexpr TileFn kTiles[kMaxTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, til
 
 }  // namespace
 
-at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset) {
+at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                      int64_t tile_rows) {
   tandem_blocks::check(x_in, q, scale, offset);
   const at::Tensor x = x_in.contiguous();
-  return tandem_blocks::multiply(x, x.data_ptr<float>(), q, scale, offset, kTiles);
+  return tandem_blocks::multiply(x, x.data_ptr<float>(), q, scale, offset, kTiles, tile_rows);
 }
 
 TORCH_LIBRARY(tandem, m) {
-  m.def("block_gemm(Tensor x, Tensor q, Tensor scale, Tensor offset) -> Tensor");
+  m.def("block_gemm(Tensor x, Tensor q, Tensor scale, Tensor offset, int tile_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -80,16 +80,16 @@ constexpr TileFn kTiles[kMaxTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, til
 }  // namespace
 
 at::Tensor block_gemm_bf16(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
-                           const at::Tensor& offset) {
+                           const at::Tensor& offset, int64_t tile_rows) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "block_gemm_bf16 needs a CPU with AVX512-BF16");
   tandem_blocks::check(x_in, q, scale, offset);
   const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
   return tandem_blocks::multiply(x, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), q, scale, offset,
-                                 kTiles);
+                                 kTiles, tile_rows);
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("block_gemm_bf16(Tensor x, Tensor q, Tensor scale, Tensor offset) -> Tensor");
+  m.def("block_gemm_bf16(Tensor x, Tensor q, Tensor scale, Tensor offset, int tile_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

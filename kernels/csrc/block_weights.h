@@ -12,6 +12,19 @@ namespace tandem_blocks {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxTile = 8;  // rows of x per pass over the weight
+// A tile of x is read again for every weight row, so it has to stay in L1 (32 KiB on the CPUs
+// measured) beside the weight streaming through: 8 rows of K = 576 float32 do (18 KiB), 8 of
+// K = 1536 (48 KiB) do not, and SmolLM2's down projection at 8 rows took 8.3 ms as one tile of 8
+// against 5.2 as two of 4 (2-core AVX2 EPYC, all 30 layers).
+constexpr int64_t kTileBytes = 24 * 1024;
+
+// Rows of x per tile: `asked` (1 to kMaxTile; benchmarks compare), or for 0 as many rows of K
+// elements of `element_size` bytes as fit kTileBytes.
+inline int64_t tile_rows(int64_t asked, int64_t K, int64_t element_size) {
+  TORCH_CHECK(asked >= 0 && asked <= kMaxTile, "tile_rows must be 0 (as many as fit L1) or 1-", kMaxTile,
+              ", got ", asked);
+  return asked > 0 ? asked : std::clamp<int64_t>(kTileBytes / (K * element_size), 1, kMaxTile);
+}
 
 // x [M, K] float32 against the blocks of an [N, K] weight: what each kernel checks before it runs.
 inline void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset) {
@@ -24,30 +37,32 @@ inline void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
               offset.numel() == N * (K / kBlock), "scale and offset must be contiguous float32 [N, K / 32]");
 }
 
-// Threads split the weight's N rows; each streams its rows once per tile of up to kMaxTile rows of
-// x, in chunks small enough to stay in cache between tiles: tile(m0, rows, n0, n1).
+// Threads split the weight's N rows; each streams its rows once per tile of up to `rows_per_tile`
+// rows of x, in chunks small enough to stay in cache between tiles: tile(m0, rows, n0, n1).
 template <typename Tile>
-void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
+void for_each_tile(int64_t M, int64_t N, int64_t rows_per_tile, const Tile& tile) {
   constexpr int64_t kChunk = 64;  // weight rows per task
   at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
     for (int64_t n0 = begin; n0 < end; n0 += kChunk) {
       const int64_t n1 = std::min(end, n0 + kChunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) tile(m0, std::min(kMaxTile, M - m0), n0, n1);
+      for (int64_t m0 = 0; m0 < M; m0 += rows_per_tile) tile(m0, std::min(rows_per_tile, M - m0), n0, n1);
     }
   });
 }
 
 // y [M, N] float32 = x @ W.T, with x [M, K] already in the element type the tiles read (T) and
-// contiguous; tiles[r] multiplies r rows of x against weight rows [n0, n1).
+// contiguous; tiles[r] multiplies r rows of x against weight rows [n0, n1); rows per tile as
+// `tile_rows` says.
 template <typename T, typename TileFn>
 at::Tensor multiply(const at::Tensor& x, const T* xp, const at::Tensor& q, const at::Tensor& scale,
-                    const at::Tensor& offset, const TileFn* tiles) {
+                    const at::Tensor& offset, const TileFn* tiles, int64_t asked_tile_rows) {
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const int8_t* qp = q.data_ptr<int8_t>();
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_tile(M, N, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+  const int64_t rows_per_tile = tile_rows(asked_tile_rows, K, sizeof(T));
+  for_each_tile(M, N, rows_per_tile, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
     tiles[rows](xp + m0 * K, K, qp, sp, op, yp + m0 * N, N, n0, n1);
   });
   return y;

@@ -39,16 +39,25 @@ def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:
     return BlockWeights(q, scale, offset)
 
 
+def assert_float32_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y is x @ w.T summed in float32: within two float32 roundings of the sum of |x * w| of the
+    float64 product (a sum in another order, or in float32 pieces, stays well inside that)."""
+    ref = x.double() @ w.double().t()
+    bound = 2 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    worst = float(((y.double() - ref).abs() / bound).max())
+    assert worst <= 1, f"off by {worst:.2f}x the float32 bound"
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 64])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_block_gemm_matches_float64_products_of_the_dequantized_weight(rows, kind):
-    blocks = random_blocks(1000, 576, kind, seed=rows)  # 1000 rows: chunks of 64 and a remainder
+@pytest.mark.parametrize("k", [576, 1536])  # tiles of 8 rows of x, and of 4 (what fits L1 at that width)
+def test_block_gemm_matches_float64_products_of_the_dequantized_weight(rows, kind, k):
+    blocks = random_blocks(1000, k, kind, seed=rows)  # 1000 rows: chunks of 64 and a remainder
     w = blocks.dequantize()
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
     y = block_gemm(x, blocks)
     assert y.shape == (rows, 1000) and y.dtype == torch.float32
-    ref = x.double() @ w.double().t()
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert_float32_product(y, x, w)
     # a transposed (non-contiguous) x gives the same rows
     torch.testing.assert_close(block_gemm(x.t().contiguous().t(), blocks), y, rtol=0, atol=0)
 
@@ -99,6 +108,20 @@ def test_block_gemm_bf16_matches_float64_products_of_the_rounded_operands(rows, 
     exact = x.double() @ blocks.dequantize().double().t()
     assert float((y.double() - exact).abs().max()) > 1e-3
     torch.testing.assert_close(block_gemm_bf16(x.t().contiguous().t(), blocks), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tile_rows", range(1, 9))
+def test_every_tile_height_gives_the_product(tile_rows):
+    blocks = random_blocks(200, 1536, "q4_1", seed=tile_rows)
+    x = torch.randn(11, 1536, generator=torch.Generator().manual_seed(9))  # whole tiles and a remainder
+    assert_float32_product(block_gemm(x, blocks, tile_rows=tile_rows), x, blocks.dequantize())
+
+
+def test_block_gemm_rejects_tile_heights_it_has_no_kernel_for():
+    blocks = random_blocks(64, 64, "q8_0", seed=3)
+    for bad in (-1, 9):
+        with pytest.raises(RuntimeError, match=f"tile_rows must be 0 \\(as many as fit L1\\) or 1-8, got {bad}"):
+            block_gemm(torch.randn(2, 64), blocks, tile_rows=bad)
 
 
 def test_block_gemm_rejects_shapes_it_cannot_take():
