@@ -19,7 +19,8 @@ with an error) when one of them is lost.
 
 One iteration of the loop: apply the inbox, then `step()`: poll the KV connector (handing it
 what the scheduler reports, applying what it asks through the scheduler) -> schedule ->
-execute -> update -> publish outputs.
+execute -> update -> publish outputs, the snapshot of statistics and the step's KV events (what
+the prefix cache stored and dropped, `tandem.server.kv_events`).
 
 Overlap scheduling (the default; `--disable-overlap-schedule` turns it off) is a second loop
 over the same calls, `step_overlapped()`: the forward passes run on a runner thread, and while
@@ -47,6 +48,7 @@ from tandem.server.disagg.connector import advertise_host, create_connector
 from tandem.server.disagg.layout import KVLayout
 from tandem.server.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
 from tandem.server.intake import Intake, RequestStream
+from tandem.server.kv_events import KvEventPublisher, Subscription
 from tandem.server.kv_pool import kv_layout, num_kv_pages
 from tandem.server.memory import KVMemory
 from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
@@ -118,7 +120,9 @@ class Engine:
         )
         if self.ranks is not None:
             self.ranks.build(num_pages, self._fail)
-        self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache)
+        self.kv_events = KvEventPublisher(config.kv_events_replay, config.kv_events_queue)
+        self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache,
+                               self.kv_events)
         self.runner = ModelRunner(self.model.module, self.kv_cache, config.attention_backend, self.ranks)
         self.connector = create_connector(disagg, host, port, self.kv_layout(), self.kv_cache, self.memory,
                                           self._wake, self.observer.on_kv_transfer, self.ranks)
@@ -226,6 +230,11 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.call(self.memory.flush_cache)
 
+    def subscribe_kv_events(self, start: int) -> Subscription:
+        """The prefix cache's events from sequence `start` on (0: a snapshot, then live); raises
+        CursorError when `start` cannot be resumed from, SubscriberLimitError when full."""
+        return self.call(lambda: self.kv_events.subscribe(start, self.memory.cache_snapshot))
+
     def drain(self) -> None:
         """The server is shutting down: the KV connector takes no new work from its peers."""
         self.call(self.connector.drain)
@@ -308,6 +317,8 @@ class Engine:
             self.outputs.close_all(f"the server failed: {self.failure}", "internal")
         else:
             self.outputs.close_all("engine stopped")
+        self.kv_events.publish()
+        self.kv_events.close()
 
     def _idle_timeout(self) -> float | None:
         """How long the loop may wait for inbox traffic: 0 when the scheduler has work."""
@@ -354,6 +365,7 @@ class Engine:
             time.sleep(0.001)  # nothing fits right now; let inbox traffic (aborts) through
         self.outputs.publish_ended()
         self._publish_snapshot()
+        self.kv_events.publish()
 
     def step_overlapped(self) -> None:
         """poll -> schedule step N+1 and launch it on the runner thread -> update step N (waiting
@@ -376,6 +388,7 @@ class Engine:
             time.sleep(0.001)
         self.outputs.publish_ended()
         self._publish_snapshot()
+        self.kv_events.publish()
 
     def _update(self, plan: StepPlan, out: StepOutput) -> None:
         for req in self.scheduler.update(plan, out):
@@ -409,6 +422,11 @@ class Engine:
             self.scheduler.end_elsewhere(req, finish)
             self.outputs.publish(req)
 
+    def _kv_event_stats(self) -> dict:
+        s = self.kv_events.stats()
+        return dict(kv_event_batches=s.batches, kv_events=s.events, kv_event_subscribers=s.subscribers,
+                    kv_event_subscribers_dropped=s.subscribers_dropped)
+
     def _publish_snapshot(self) -> None:
         """Swap in a fresh EngineSnapshot: any thread may read `self.snapshot` at any time."""
         sched, mem = self.scheduler, self.memory
@@ -428,4 +446,5 @@ class Engine:
             requests_aborted=self.outputs.aborted,
             forward_steps=sched.stats.forward_steps,
             **self.connector.stats(),
+            **self._kv_event_stats(),
         )

@@ -26,6 +26,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from tandem.server.engine import Engine
+from tandem.server.kv_events import AllCleared, BlocksRemoved, BlocksStored, CursorError, EventBatch, SubscriberLimitError
 from tandem.server.outputs import StreamOutput
 from tandem.server.request import Bootstrap
 from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
@@ -34,6 +35,7 @@ log = logging.getLogger("tandem.grpc")
 
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 MAX_N = 16  # choices per request
+KV_EVENTS_HEARTBEAT_SECONDS = 1.0  # a load-only batch after this long without events
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,12 @@ def _logprobs(out_ids: list[int], lps: list[float], tops: list) -> pb.OutputLogP
 
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, engine: Engine, identity: ServerIdentity, state: ServingState):
+    def __init__(self, engine: Engine, identity: ServerIdentity, state: ServingState,
+                 kv_events_heartbeat: float = KV_EVENTS_HEARTBEAT_SECONDS):
         self.engine = engine
         self.identity = identity
         self.state = state
+        self.kv_events_heartbeat = kv_events_heartbeat
         self._choices: dict[str, list[str]] = {}  # request_id -> engine rids of its n choices
         self._lock = threading.Lock()
 
@@ -314,10 +318,89 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             last = start + TOKENIZER_CHUNK_BYTES >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start : start + TOKENIZER_CHUNK_BYTES], sha256=digest if last else "")
 
+    # -- KV events --------------------------------------------------------------------------------
+    def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.ServicerContext):
+        """The prefix cache's events, one batch per step that changed it, each with the engine's
+        load; a load-only batch (numbered as the last batch sent, 0 before any) after a second
+        without events. A cursor that cannot be resumed from is OUT_OF_RANGE, a subscriber that
+        fell too far behind ends with DATA_LOSS: either way it resubscribes from 0."""
+        if self.state.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        try:
+            sub = self.engine.subscribe_kv_events(request.start_sequence_number)
+        except CursorError as e:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        except SubscriberLimitError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RuntimeError as e:  # the engine has stopped
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        context.add_callback(sub.close)  # the subscriber hung up
+        sent, samples = None, 0  # the last sequence number sent; load records sent
+        try:
+            while context.is_active():
+                batch = sub.next(self.kv_events_heartbeat)
+                if sub.dropped:
+                    context.abort(grpc.StatusCode.DATA_LOSS, sub.dropped)
+                if sub.closed:
+                    return  # the engine stopped
+                if batch is None and sent is None and not request.load_records_before_first_batch:
+                    continue  # an old subscriber takes its first load record with the first batch
+                samples += 1
+                if batch is None:
+                    yield common_pb2.KvEventBatch(sequence_number=sent or 0, timestamp=time.time(),
+                                                  load=self._engine_load(samples, load_only=True))
+                    continue
+                message = _event_batch(batch)
+                message.load.CopyFrom(self._engine_load(samples, load_only=False, full=sent is None))
+                sent = batch.sequence
+                yield message
+        finally:
+            sub.close()
+
+    def _engine_load(self, sample: int, load_only: bool, full: bool = True) -> common_pb2.EngineLoad:
+        """The load record: what GetLoads answers; the telemetry beyond routing on heartbeats and a
+        stream's first record only."""
+        snap, config = self.engine.snapshot, self.engine.config
+        load = common_pb2.EngineLoad(
+            running_requests=snap.running, waiting_requests=snap.waiting,
+            waiting_uncached_tokens=snap.queued_prompt_tokens, token_usage=snap.token_usage,
+            max_running_requests=config.max_running_requests, sample=sample, load_only=load_only,
+        )
+        if load_only or full:
+            load.cache_hit_rate = snap.prefix_hit_tokens / snap.prefix_query_tokens if snap.prefix_query_tokens else 0.0
+            load.num_used_tokens = snap.kv_pages_used * snap.page_size
+            load.max_total_num_tokens = self.engine.max_total_tokens
+            load.queues.waiting = snap.waiting
+            load.disaggregation.mode = self.identity.role if self.identity.role != "colocated" else "null"
+        return load
+
     def FlushCache(self, request, context):
         ok = self.engine.flush_cache()
         message = "prefix cache flushed" if ok else "not flushed: running requests pin cached pages"
         return common_pb2.FlushCacheResponse(success=ok, message=message)
+
+
+def _event_batch(batch: EventBatch) -> common_pb2.KvEventBatch:
+    message = common_pb2.KvEventBatch(sequence_number=batch.sequence, timestamp=batch.timestamp)
+    for event in batch.events:
+        out = message.events.add()
+        if isinstance(event, BlocksStored):
+            stored = out.stored
+            for h, ids in zip(event.hashes, event.token_ids):
+                stored.blocks.add(block_hash=h, token_ids=ids, block_size=len(ids))
+            if event.parent is not None:
+                stored.parent_block_hash = event.parent
+            stored.tier = common_pb2.KV_CACHE_TIER_DEVICE
+            stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
+        elif isinstance(event, BlocksRemoved):
+            out.removed.block_hashes.extend(event.hashes)
+            out.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE
+            out.removed.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
+        elif isinstance(event, AllCleared):
+            out.cleared.SetInParent()
+    if batch.snapshot_pages is not None:
+        message.snapshot.index, message.snapshot.count, message.snapshot.blocks = 0, 1, batch.snapshot_pages
+    return message
 
 
 def tokenizer_archive(directory: Path) -> bytes:

@@ -9,18 +9,24 @@ free + cached + owned by requests == total.
 from __future__ import annotations
 
 from tandem.server.page_allocator import PageAllocator
-from tandem.server.prefix_cache import ChunkCache, PrefixCache, PrefixMatch, RadixCache
+from tandem.server.prefix_cache import ChunkCache, EventRecorder, PrefixCache, PrefixMatch, RadixCache
 from tandem.server.request import Request
 from tandem.server.slot_table import SlotTable
 
 
 class KVMemory:
-    def __init__(self, num_pages: int, page_size: int, num_slots: int, prefix_cache: bool = True):
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, prefix_cache: bool = True,
+                 events: EventRecorder | None = None):
+        """`events`: where the radix cache reports what it stores and drops (KV events)."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.slots: SlotTable[Request] = SlotTable(num_slots)
-        cache_cls = RadixCache if prefix_cache else ChunkCache
-        self.cache: PrefixCache = cache_cls(self.allocator, page_size)
+        self.cache: PrefixCache = (RadixCache(self.allocator, page_size, events) if prefix_cache
+                                   else ChunkCache(self.allocator, page_size))
+
+    def cache_snapshot(self) -> list:
+        """Every cached page as KV events (stored, parents first); none without a radix cache."""
+        return self.cache.snapshot_events() if isinstance(self.cache, RadixCache) else []
 
     @property
     def num_pages(self) -> int:

@@ -36,8 +36,12 @@ GAUGES = {
     "tandem_prealloc_queue_requests": ("Decode requests handshaking and reserving KV pages", "prealloc_queue"),
     "tandem_transfer_queue_requests": ("Decode requests waiting for their KV to arrive", "transfer_queue"),
     "tandem_inflight_queue_requests": ("Prefill requests whose KV is being sent", "inflight_queue"),
+    "tandem_kv_event_subscribers": ("Subscribers to the prefix cache's KV events (routers)", "kv_event_subscribers"),
 }
 COUNTERS = {
+    "tandem_kv_event_batches": ("KV event batches published (one per step that changed the prefix cache)", "kv_event_batches"),
+    "tandem_kv_events": ("KV events published: pages stored, pages removed, cache cleared", "kv_events"),
+    "tandem_kv_event_subscribers_dropped": ("KV event subscribers dropped for falling behind", "kv_event_subscribers_dropped"),
     "tandem_prompt_tokens": ("Prompt tokens of admitted requests", "prompt_tokens"),
     "tandem_generation_tokens": ("Output tokens generated", "generation_tokens"),
     "tandem_prefix_cache_query_tokens": ("Prompt tokens looked up in the prefix cache", "prefix_query_tokens"),

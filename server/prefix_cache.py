@@ -2,7 +2,9 @@
 
 Both work in whole pages: a cached prefix always covers a multiple of `page_size` tokens, and the
 cache owns the pages it holds. Requests pin what they use with `lock`; only unpinned pages can be
-evicted, least recently used leaves first.
+evicted, least recently used leaves first. The radix cache names each page by a hash chained over
+the tokens up to it (`tandem.server.kv_events`) and reports what it stores, evicts and clears to
+an event recorder, from which routers learn where each prefix is cached.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
+from tandem.server.kv_events import BlocksStored, block_hash, page_digests
 from tandem.server.page_allocator import PageAllocator
 
 
@@ -70,6 +73,16 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None: ...
 
 
+class EventRecorder(Protocol):
+    """Where the radix cache reports its changes (`KvEventPublisher`)."""
+
+    def stored(self, parent: int | None, hashes: list[int], token_ids: list[list[int]]) -> None: ...
+
+    def removed(self, hashes: list[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class ChunkCache(PrefixCache):
     """No sharing: nothing is ever cached, `insert` reports no duplicates and keeps nothing.
 
@@ -113,11 +126,12 @@ class ChunkCache(PrefixCache):
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "digests", "children", "parent", "lock_ref", "last_access")
 
-    def __init__(self, key: list[int], pages: list[int], parent: "_Node | None"):
+    def __init__(self, key: list[int], pages: list[int], digests: list[bytes], parent: "_Node | None"):
         self.key = key  # token ids on the edge from parent; len == len(pages) * page_size
         self.pages = pages
+        self.digests = digests  # per page, chained over every token from the root to the page's end
         self.children: dict[tuple[int, ...], _Node] = {}  # first page of the child's key -> child
         self.parent = parent
         self.lock_ref = 0
@@ -127,14 +141,15 @@ class _Node:
 class RadixCache(PrefixCache):
     """Radix tree over token ids, page-granular, with reference counts and LRU eviction."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, events: EventRecorder | None = None):
         self.allocator = allocator
         self.page_size = page_size
+        self.events = events
         self._clock = itertools.count(1)
         self.reset_tree()
 
     def reset_tree(self) -> None:
-        self.root = _Node([], [], None)
+        self.root = _Node([], [], [], None)
         self.root.lock_ref = 1  # the root is never evicted
         self._num_pages = 0
         self._num_evictable = 0
@@ -179,12 +194,13 @@ class RadixCache(PrefixCache):
     def _split(self, child: _Node, num_pages: int) -> _Node:
         """Cut child's edge after `num_pages` pages; returns the new upper node."""
         P = self.page_size
-        upper = _Node(child.key[: num_pages * P], child.pages[:num_pages], child.parent)
+        upper = _Node(child.key[: num_pages * P], child.pages[:num_pages], child.digests[:num_pages], child.parent)
         upper.lock_ref = child.lock_ref  # every lock on child pins its ancestors too
         upper.last_access = child.last_access
         child.parent.children[tuple(upper.key[:P])] = upper
         child.key = child.key[num_pages * P :]
         child.pages = child.pages[num_pages:]
+        child.digests = child.digests[num_pages:]
         child.parent = upper
         upper.children[tuple(child.key[:P])] = child
         return upper
@@ -196,12 +212,36 @@ class RadixCache(PrefixCache):
             raise ValueError(f"insert needs whole pages: {len(token_ids)} tokens for {len(pages)} pages of {P}")
         node, _, pos = self._walk(token_ids)
         if pos < len(token_ids):
-            new = _Node(list(token_ids[pos:]), pages[pos // P :], node)
+            key = list(token_ids[pos:])
+            new = _Node(key, pages[pos // P :], page_digests(self._last_digest(node), key, P), node)
             new.last_access = node.last_access
             node.children[tuple(new.key[:P])] = new
             self._num_pages += len(new.pages)
             self._num_evictable += len(new.pages)
+            if self.events is not None:
+                self.events.stored(*self._stored(new))
         return pos // P
+
+    # -- events -----------------------------------------------------------------------------------
+    @staticmethod
+    def _last_digest(node: _Node) -> bytes | None:
+        return node.digests[-1] if node.digests else None
+
+    def _stored(self, node: _Node) -> tuple[int | None, list[int], list[list[int]]]:
+        """(parent page's hash, the node's page hashes, the node's pages' token ids)."""
+        P = self.page_size
+        parent = self._last_digest(node.parent)
+        return (None if parent is None else block_hash(parent), [block_hash(d) for d in node.digests],
+                [node.key[i : i + P] for i in range(0, len(node.key), P)])
+
+    def snapshot_events(self) -> list[BlocksStored]:
+        """Every cached page as stored events, each node after its parent."""
+        events, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            events.append(BlocksStored(*self._stored(node)))
+            stack.extend(node.children.values())
+        return events
 
     # -- reference counts -------------------------------------------------------------------------
     def lock(self, node: object) -> None:
@@ -228,6 +268,8 @@ class RadixCache(PrefixCache):
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
             self.allocator.free(leaf.pages)
+            if self.events is not None:
+                self.events.removed([block_hash(d) for d in leaf.digests])
             freed += len(leaf.pages)
             self._num_pages -= len(leaf.pages)
             self._num_evictable -= len(leaf.pages)
@@ -242,6 +284,8 @@ class RadixCache(PrefixCache):
             return False
         self.allocator.free(self.held_pages())
         self.reset_tree()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     # -- accounting -------------------------------------------------------------------------------
@@ -267,6 +311,7 @@ class RadixCache(PrefixCache):
         total = evictable = 0
         for node in self._nodes():
             assert node.pages and len(node.key) == len(node.pages) * self.page_size, "edge is not whole pages"
+            assert node.digests == page_digests(self._last_digest(node.parent), node.key, self.page_size), "page hashes broken"
             assert node.parent.children[tuple(node.key[: self.page_size])] is node, "child keyed wrongly"
             # every lock on a descendant is also counted on each of its ancestors
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0, "lock counts broken"

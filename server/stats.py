@@ -38,6 +38,11 @@ class EngineSnapshot:
     peer_handshakes: int = 0  # decode: handshakes made with prefill processes; prefill: decode peers registered
     peer_rehandshakes: int = 0  # of those, with a new process at an address that had another (a restart)
     peers_offline: int = 0  # decode: prefill peers marked offline (missed heartbeats, unreachable)
+    # KV events (SubscribeKvEvents)
+    kv_event_batches: int = 0  # batches published (one per step that changed the prefix cache)
+    kv_events: int = 0  # events in them: stored, removed, all-cleared
+    kv_event_subscribers: int = 0  # gauge: subscribers now
+    kv_event_subscribers_dropped: int = 0  # subscribers dropped for falling behind
 
     @property
     def token_usage(self) -> float:

@@ -56,6 +56,7 @@ def lint_with(extra_import: tuple[str, str], monkeypatch, capsys) -> dict[str, s
     ("tandem.server.serve", "tandem.tools.stack", "Layers"),
     ("tandem.kernels.sampling", "tandem.server.sampling_params", "Layers"),
     ("tandem.server.scheduler", "torch", "The scheduler and its memory"),
+    ("tandem.server.kv_events", "smg_grpc_proto", "The engine speaks no protobuf"),
 ])
 def test_a_forbidden_import_breaks_its_contract(importer, imported, broken, monkeypatch, capsys):
     results = lint_with((importer, imported), monkeypatch, capsys)
