@@ -133,6 +133,12 @@ def cmd_bench_offline(args) -> int:
     return run(from_args(args, EngineConfig), args)
 
 
+def cmd_bench_cache_routing(args) -> int:
+    from tandem.tools.bench_cache_routing import run
+
+    return run(args, changed_engine_flags(args))
+
+
 def cmd_bench_pd(args) -> int:
     from tandem.tools.bench_pd import run
 
@@ -273,6 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)
+
+    bcr = bench_sub.add_parser("cache-routing", help="smg's cache-aware policy over two colocated servers, told "
+                               "where prefixes are cached (KV events) vs guessing, on a shared-system-prompt workload")
+    bcr.add_argument("--system-prompts", type=int, default=6, help="distinct system prompts")
+    bcr.add_argument("--users", type=int, default=6, help="requests per system prompt, each with its own question")
+    bcr.add_argument("--system-len", type=int, default=320, help="tokens per system prompt")
+    bcr.add_argument("--question-len", type=int, default=24, help="tokens per question")
+    bcr.add_argument("--output-len", type=int, default=8)
+    bcr.add_argument("--concurrency", type=int, default=4)
+    bcr.add_argument("--workload-seeds", type=int, nargs="+", default=[1, 2, 3, 4], help="one workload per seed")
+    bcr.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
+    add_arguments(bcr, EngineConfig)
+    bcr.set_defaults(func=cmd_bench_cache_routing, max_total_tokens=1536)
 
     bkv = bench_sub.add_parser("kv-transfer", help="prefill -> decode KV writes between engines of given tensor-parallel "
                                "sizes, in this process, one pair after the other")

@@ -291,6 +291,12 @@ def prefill_decode() -> dict:
                    [(f'{sum_by(by_role, rate("tandem_prefix_cache_hit_tokens_total", f))} / '
                      f'{sum_by(by_role, rate("tandem_prefix_cache_query_tokens_total", f))}', legend("role"))],
                    unit="percentunit", width=8, max_value=1),
+        timeseries("KV events", "What the prefix caches tell routers (SubscribeKvEvents): event batches "
+                   "published per second, subscribers, and subscribers dropped for falling behind, by pool.",
+                   [(sum_by(by_role, rate("tandem_kv_event_batches_total", f)), f"batches/s {legend('role')}"),
+                    (sum_by(by_role, selector("tandem_kv_event_subscribers", f)), f"subscribers {legend('role')}"),
+                    (sum_by(by_role, rate("tandem_kv_event_subscribers_dropped_total", f)),
+                     f"dropped/s {legend('role')}")], width=24),
     ]
     return dashboard("tandem-pd", "tandem / Prefill-decode",
                      "Per-pool queues, KV transfer and KV cache of prefill/decode disaggregation.",

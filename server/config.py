@@ -138,6 +138,8 @@ class ServeConfig:
     metrics_port: int = opt(30001, "Prometheus /metrics port")
     served_model_name: str | None = opt(None, "model id clients use (default: the model's name)")
     drain_grace_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
+    disable_kv_events: bool = opt(False, "answer SubscribeKvEvents with UNIMPLEMENTED: routers then guess where "
+                                         "prefixes are cached instead of being told")
 
     def validate(self) -> None:
         if not 0 < self.port < 65536 or not 0 < self.metrics_port < 65536 or self.port == self.metrics_port:

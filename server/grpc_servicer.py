@@ -99,11 +99,12 @@ def _logprobs(out_ids: list[int], lps: list[float], tops: list) -> pb.OutputLogP
 
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, engine: Engine, identity: ServerIdentity, state: ServingState,
+    def __init__(self, engine: Engine, identity: ServerIdentity, state: ServingState, kv_events: bool = True,
                  kv_events_heartbeat: float = KV_EVENTS_HEARTBEAT_SECONDS):
         self.engine = engine
         self.identity = identity
         self.state = state
+        self.kv_events = kv_events
         self.kv_events_heartbeat = kv_events_heartbeat
         self._choices: dict[str, list[str]] = {}  # request_id -> engine rids of its n choices
         self._lock = threading.Lock()
@@ -324,6 +325,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         load; a load-only batch (numbered as the last batch sent, 0 before any) after a second
         without events. A cursor that cannot be resumed from is OUT_OF_RANGE, a subscriber that
         fell too far behind ends with DATA_LOSS: either way it resubscribes from 0."""
+        if not self.kv_events:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are off on this server (--disable-kv-events)")
         if self.state.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         try:

@@ -64,7 +64,7 @@ class Server:
             server_args=server_args(engine_config, disagg, name, tokenizer_path, self.engine),
             version=VERSION,
         )
-        self.servicer = SchedulerServicer(self.engine, identity, self.state)
+        self.servicer = SchedulerServicer(self.engine, identity, self.state, kv_events=not config.disable_kv_events)
         # A thread per concurrent stream: every running and queued request, plus room for
         # health checks, loads and metrics that must answer while the model computes.
         workers = engine_config.max_running_requests + engine_config.max_queued_requests + 16

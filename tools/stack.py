@@ -88,18 +88,18 @@ def spawn_server(args: list[str], log_path: Path, port: int | None = None,
     return proc, port, metrics_port
 
 
-def spawn_router(workers: list[str], tokenizer_dir: str, log_path: Path) -> tuple[subprocess.Popen, int]:
-    """Start `smg launch` on a free port (not waiting): (process, HTTP port). `workers` name the
-    workers: `--worker-urls ...`, or `--pd-disaggregation --prefill ... --decode ...`."""
-    port = free_port()
+def spawn_router(workers: list[str], tokenizer_dir: str, log_path: Path) -> tuple[subprocess.Popen, int, int]:
+    """Start `smg launch` on free ports (not waiting): (process, HTTP port, /metrics port). `workers`
+    name the workers: `--worker-urls ...`, or `--pd-disaggregation --prefill ... --decode ...`."""
+    port, metrics_port = free_port(), free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), *workers,
              "--model-path", tokenizer_dir, "--worker-startup-check-interval", "1", "--log-level", "warn",
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)],
             stdout=log, stderr=subprocess.STDOUT,
         )
-    return proc, port
+    return proc, port, metrics_port
 
 
 def metrics_text(metrics_port: int) -> str:
@@ -150,6 +150,7 @@ class LocalStack:
     servers: list[Server] = field(default_factory=list)
     router: subprocess.Popen | None = None
     router_port: int = 0
+    router_metrics_port: int = 0
 
     def start_server(self, role: str, *extra: str) -> Server:
         """Launch `tandem serve --role ROLE` (not waiting; see wait())."""
@@ -196,7 +197,7 @@ class LocalStack:
         else:
             workers = ["--worker-urls", *(f"grpc://{s.target}" for s in self.servers)]
         log_path = self.log_dir / "router.log"
-        self.router, self.router_port = spawn_router(workers, self.tokenizer_dir(), log_path)
+        self.router, self.router_port, self.router_metrics_port = spawn_router(workers, self.tokenizer_dir(), log_path)
         wait_router_ready(self.router_url, self.router, log_path, self.model_name)
         return self.router_url
 

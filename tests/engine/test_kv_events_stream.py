@@ -163,6 +163,15 @@ def test_cursors_that_cannot_resume_are_out_of_range(serve):
     assert f"ahead of this server's last batch {sequence}" in err.value.details()
 
 
+def test_a_server_without_kv_events_says_unimplemented(make_engine):
+    servicer = SchedulerServicer(make_engine(), ServerIdentity("m", "m", "t", "colocated", {}, "v"), ServingState(),
+                                 kv_events=False)
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        next(servicer.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), context))
+    assert context.code == grpc.StatusCode.UNIMPLEMENTED and "--disable-kv-events" in context.details
+
+
 def test_a_stalled_subscriber_is_dropped_with_data_loss_while_requests_go_on(serve):
     engine, stub = serve(kv_events_queue=2)
     stalled = engine.subscribe_kv_events(0)  # never read: the engine must not wait for it
@@ -174,7 +183,8 @@ def test_a_stalled_subscriber_is_dropped_with_data_loss_while_requests_go_on(ser
     assert engine.snapshot.kv_event_subscribers_dropped == 1 and reader.error is None
 
     # the servicer tells a dropped subscriber why, as DATA_LOSS (the router then resubscribes from 0)
-    servicer = SchedulerServicer(engine, ServerIdentity("m", "m", "t", "colocated", {}, "v"), ServingState(), 0.05)
+    servicer = SchedulerServicer(engine, ServerIdentity("m", "m", "t", "colocated", {}, "v"), ServingState(),
+                                 kv_events_heartbeat=0.05)
     context = FakeContext()
     stream = servicer.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), context)
     assert next(stream).snapshot.count == 1  # the cache as it is

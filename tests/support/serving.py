@@ -64,7 +64,7 @@ class RouterProcess:
 
     def __init__(self, *args: str, tokenizer_dir: str, log_path: Path, model: str = "smollm2"):
         self.log_path = log_path
-        self.proc, self.port = spawn_router(list(args), tokenizer_dir, log_path)
+        self.proc, self.port, self.metrics_port = spawn_router(list(args), tokenizer_dir, log_path)
         self.base = f"http://127.0.0.1:{self.port}"
         wait_router_ready(self.base, self.proc, log_path, model)
 

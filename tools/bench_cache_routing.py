@@ -1,0 +1,98 @@
+"""`tandem bench cache-routing`: the `smg` router's cache-aware policy in front of two colocated
+servers, told where prefixes are cached by the servers' KV events, against the same router left to
+guess (the servers started with `--disable-kv-events`: smg then keeps an approximate tree of what it
+sent where). One run, one stack after the other.
+
+Workload: a few long system prompts, each shared by many users who each add a short question;
+requests in a fixed-seed shuffled order at a fixed concurrency, over the router's OpenAI HTTP API.
+Each server's KV pool holds only some of the system prompts, so where a request lands decides
+whether its prefix is cached. Reported per arm: the prefix-cache hit rate across both servers
+(prompt tokens served from cache over prompt tokens looked up, from their /metrics), TTFT and
+TPOT, how the requests split between the servers, and the KV events the router applied. Results
+vary much from one workload to the next (which server a burst lands on), so the run repeats over
+several workload seeds, each arm first every other seed, and sums up over all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+from tandem.tools.bench_offline import VOCAB_RANGE
+from tandem.tools.bench_serve import drive, openai_runner
+
+
+def make_workload(system_prompts: int, users: int, system_len: int, question_len: int, output_len: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randint(*VOCAB_RANGE) for _ in range(system_len)] for _ in range(system_prompts)]
+    work = [(system + [rng.randint(*VOCAB_RANGE) for _ in range(question_len)], output_len)
+            for system in systems for _ in range(users)]
+    rng.shuffle(work)
+    return work
+
+
+def router_metric(text: str, name: str, **labels: str) -> float:
+    """Sum of `name`'s samples whose labels include `labels` in smg's /metrics (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def run(args, engine_args: list[str]) -> int:
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-cache-routing-"))
+    arms = {"kv_events": (), "no_kv_events": ("--disable-kv-events",)}
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for i, seed in enumerate(args.workload_seeds):
+        work = make_workload(args.system_prompts, args.users, args.system_len, args.question_len, args.output_len, seed)
+        for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):  # each arm first as often as the other
+            result = run_arm(logs / f"{arm}-seed{seed}", (*engine_args, *arms[arm]), tokenizer, work, args.concurrency)
+            result = {"bench": "cache-routing", "arm": arm, "workload_seed": seed, **result}
+            results[arm].append(result)
+            print(json.dumps(result), flush=True)
+    summary = {"bench": "cache-routing", "arm": "summary", "seeds": list(args.workload_seeds)}
+    for arm, runs in results.items():
+        hit, query = sum(r["prefix_hit_tokens"] for r in runs), sum(r["prefix_query_tokens"] for r in runs)
+        summary[arm] = {"prefix_hit_rate": round(hit / query, 3) if query else 0.0,
+                        "ttft_p50_s_median_over_seeds": statistics.median(r["ttft_p50_s"] for r in runs),
+                        "output_tokens_per_s_median_over_seeds": statistics.median(r["output_tokens_per_s"] for r in runs)}
+    on, off = summary["kv_events"], summary["no_kv_events"]
+    summary["prefix_hit_rate_with_over_without"] = (round(on["prefix_hit_rate"] / off["prefix_hit_rate"], 3)
+                                                    if off["prefix_hit_rate"] else None)
+    summary["ttft_p50_with_over_without"] = round(on["ttft_p50_s_median_over_seeds"] / off["ttft_p50_s_median_over_seeds"], 3)
+    print(json.dumps(summary))
+    return 0
+
+
+def run_arm(log_dir: Path, engine_args: tuple[str, ...], tokenizer, work, concurrency: int) -> dict:
+    """Two colocated servers and smg over them: the workload's latencies and the servers' prefix cache."""
+    from tandem.tools.stack import LocalStack, metric_value, metrics_text
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with LocalStack(log_dir, engine_args) as stack:
+        servers = stack.start_servers(["colocated", "colocated"])
+        stack.wait()
+        base = stack.start_router()
+        run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
+        result = drive(run_one, work, concurrency)
+        texts = [s.metrics_text() for s in servers]
+        router = metrics_text(stack.router_metrics_port)
+    query = [metric_value(t, "tandem_prefix_cache_query_tokens_total") for t in texts]
+    hit = [metric_value(t, "tandem_prefix_cache_hit_tokens_total") for t in texts]
+    return {
+        **result,
+        "prefix_hit_rate": round(sum(hit) / sum(query), 3) if sum(query) else 0.0,
+        "prefix_hit_tokens": int(sum(hit)),
+        "prefix_query_tokens": int(sum(query)),
+        "prompt_tokens_per_server": [int(q) for q in query],
+        "router_kv_event_batches_applied": int(router_metric(router, "smg_kv_event_batches_total", disposition="applied")),
+        "router_kv_index_blocks": int(router_metric(router, "smg_kv_index_blocks")),
+    }
