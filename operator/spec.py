@@ -137,7 +137,9 @@ class RouterSpec:
 
     replicas: int = api_field(1, "Router pods.", minimum=1)
     image: str | None = api_field(None, "Router image (default: the operator's configured router image).")
-    prefill_policy: str = api_field("power_of_two", "How a prefill server is picked.", enum=PREFILL_POLICIES)
+    prefill_policy: str = api_field(
+        "cache_aware", "How a prefill server is picked. cache_aware: where the prompt's prefix is cached, as the "
+        "servers' KV events tell the router (tandem bench cache-routing), balanced against load.", enum=PREFILL_POLICIES)
     decode_policy: str = api_field("power_of_two", "How a decode server is picked.", enum=DECODE_POLICIES)
     service: ServicePort = api_field(ServicePort(), "The client Service.")
     resources: Resources = api_field(Resources(), "Router container resources.")

@@ -1,7 +1,8 @@
 """`tandem bench cache-routing`: the `smg` router's cache-aware policy in front of two colocated
 servers, told where prefixes are cached by the servers' KV events, against the same router left to
 guess (the servers started with `--disable-kv-events`: smg then keeps an approximate tree of what it
-sent where). One run, one stack after the other.
+sent where), and against `power_of_two` (the operator's default policy, which ignores prefixes).
+One run, one stack after the other.
 
 Workload: a few long system prompts, each shared by many users who each add a short question;
 requests in a fixed-seed shuffled order at a fixed concurrency, over the router's OpenAI HTTP API.
@@ -49,12 +50,16 @@ def run(args, engine_args: list[str]) -> int:
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-cache-routing-"))
-    arms = {"kv_events": (), "no_kv_events": ("--disable-kv-events",)}
+    # arm -> (server flags, router flags)
+    arms = {"kv_events": ((), ()), "no_kv_events": (("--disable-kv-events",), ()),
+            "power_of_two": ((), ("--policy", "power_of_two"))}
     results: dict[str, list[dict]] = {arm: [] for arm in arms}
     for i, seed in enumerate(args.workload_seeds):
         work = make_workload(args.system_prompts, args.users, args.system_len, args.question_len, args.output_len, seed)
-        for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):  # each arm first as often as the other
-            result = run_arm(logs / f"{arm}-seed{seed}", (*engine_args, *arms[arm]), tokenizer, work, args.concurrency)
+        for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):  # each arm first and last as often
+            server_flags, router_flags = arms[arm]
+            result = run_arm(logs / f"{arm}-seed{seed}", (*engine_args, *server_flags), router_flags, tokenizer, work,
+                             args.concurrency)
             result = {"bench": "cache-routing", "arm": arm, "workload_seed": seed, **result}
             results[arm].append(result)
             print(json.dumps(result), flush=True)
@@ -64,15 +69,19 @@ def run(args, engine_args: list[str]) -> int:
         summary[arm] = {"prefix_hit_rate": round(hit / query, 3) if query else 0.0,
                         "ttft_p50_s_median_over_seeds": statistics.median(r["ttft_p50_s"] for r in runs),
                         "output_tokens_per_s_median_over_seeds": statistics.median(r["output_tokens_per_s"] for r in runs)}
-    on, off = summary["kv_events"], summary["no_kv_events"]
-    summary["prefix_hit_rate_with_over_without"] = (round(on["prefix_hit_rate"] / off["prefix_hit_rate"], 3)
-                                                    if off["prefix_hit_rate"] else None)
-    summary["ttft_p50_with_over_without"] = round(on["ttft_p50_s_median_over_seeds"] / off["ttft_p50_s_median_over_seeds"], 3)
+    on = summary["kv_events"]
+    for other in ("no_kv_events", "power_of_two"):
+        off = summary[other]
+        summary[f"prefix_hit_rate_kv_events_over_{other}"] = (round(on["prefix_hit_rate"] / off["prefix_hit_rate"], 3)
+                                                              if off["prefix_hit_rate"] else None)
+        summary[f"ttft_p50_kv_events_over_{other}"] = round(
+            on["ttft_p50_s_median_over_seeds"] / off["ttft_p50_s_median_over_seeds"], 3)
     print(json.dumps(summary))
     return 0
 
 
-def run_arm(log_dir: Path, engine_args: tuple[str, ...], tokenizer, work, concurrency: int) -> dict:
+def run_arm(log_dir: Path, engine_args: tuple[str, ...], router_args: tuple[str, ...], tokenizer, work,
+            concurrency: int) -> dict:
     """Two colocated servers and smg over them: the workload's latencies and the servers' prefix cache."""
     from tandem.tools.stack import LocalStack, metric_value, metrics_text
 
@@ -80,7 +89,7 @@ def run_arm(log_dir: Path, engine_args: tuple[str, ...], tokenizer, work, concur
     with LocalStack(log_dir, engine_args) as stack:
         servers = stack.start_servers(["colocated", "colocated"])
         stack.wait()
-        base = stack.start_router()
+        base = stack.start_router(*router_args)
         run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
         result = drive(run_one, work, concurrency)
         texts = [s.metrics_text() for s in servers]

@@ -185,9 +185,9 @@ class LocalStack:
         with grpc.insecure_channel(self.servers[0].target) as channel:
             return pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
 
-    def start_router(self) -> str:
-        """`smg launch` over every server (PD mode when there are prefill servers); returns its
-        base URL once it generates."""
+    def start_router(self, *extra: str) -> str:
+        """`smg launch` over every server (PD mode when there are prefill servers), with `extra`
+        router flags; returns its base URL once it generates."""
         prefills = [s for s in self.servers if s.role == "prefill"]
         if prefills:
             workers = ["--pd-disaggregation", *ROUTER_PD_ARGS]
@@ -197,7 +197,8 @@ class LocalStack:
         else:
             workers = ["--worker-urls", *(f"grpc://{s.target}" for s in self.servers)]
         log_path = self.log_dir / "router.log"
-        self.router, self.router_port, self.router_metrics_port = spawn_router(workers, self.tokenizer_dir(), log_path)
+        self.router, self.router_port, self.router_metrics_port = spawn_router([*workers, *extra], self.tokenizer_dir(),
+                                                                               log_path)
         wait_router_ready(self.router_url, self.router, log_path, self.model_name)
         return self.router_url
 

@@ -14,6 +14,7 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from support.checks import cached_prefixes
 from tandem.server.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
 from tandem.server.sampling_params import SamplingParams
 
@@ -92,16 +93,8 @@ def router_index(batches) -> dict[int, tuple]:
     return index
 
 
-def cached_prefixes(engine) -> set[tuple]:
-    def walk():
-        out, stack = set(), [(child, ()) for child in engine.memory.cache.root.children.values()]
-        while stack:
-            node, above = stack.pop()
-            for i in range(0, len(node.key), PAGE):
-                out.add(above + tuple(node.key[: i + PAGE]))
-            stack.extend((c, above + tuple(node.key)) for c in node.children.values())
-        return out
-    return engine.call(walk)
+def engine_cached_prefixes(engine) -> set[tuple]:
+    return engine.call(lambda: cached_prefixes(engine.memory.cache))
 
 
 def shared_prefix_prompts(tokenizer, users: int) -> list[list[int]]:
@@ -123,7 +116,7 @@ def test_the_stream_rebuilds_the_radix_cache_through_evictions_and_a_flush(serve
     sequence = engine.call(lambda: engine.kv_events.sequence)
     first.wait_for(sequence)
     index = router_index(first.batches)
-    assert set(index.values()) == cached_prefixes(engine) != set()
+    assert set(index.values()) == engine_cached_prefixes(engine) != set()
     kinds = [e.WhichOneof("data") for b in first.batches for e in b.events]
     assert kinds.count("removed") > 0, "the pool never evicted: the test does not test eviction"
     assert [b.sequence_number for b in first.batches] == list(range(1, sequence + 1))
@@ -138,7 +131,7 @@ def test_the_stream_rebuilds_the_radix_cache_through_evictions_and_a_flush(serve
     fresh = Reader(stub)
     fresh.wait_for(sequence)
     assert fresh.batches[0].sequence_number == sequence and fresh.batches[0].snapshot.count == 1
-    assert set(router_index(fresh.batches).values()) == cached_prefixes(engine)
+    assert set(router_index(fresh.batches).values()) == engine_cached_prefixes(engine)
 
     assert engine.flush_cache()
     for reader in (first, resumed, fresh):

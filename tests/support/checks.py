@@ -18,6 +18,17 @@ def assert_engine_clean(engine) -> None:
     engine.call(check)
 
 
+def cached_prefixes(cache) -> set[tuple[int, ...]]:
+    """Every page-ending token prefix a RadixCache holds, read from the tree itself."""
+    out, stack = set(), [(child, ()) for child in cache.root.children.values()]
+    while stack:
+        node, above = stack.pop()
+        for i in range(0, len(node.key), cache.page_size):
+            out.add(above + tuple(node.key[: i + cache.page_size]))
+        stack.extend((c, above + tuple(node.key)) for c in node.children.values())
+    return out
+
+
 class HFReference:
     """Greedy decoding with HF transformers on the same GGUF weights (float32, CPU), recording the
     top-2 logit gap at every generated position. Results are memoized per (prompt, length)."""

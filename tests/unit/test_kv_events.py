@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from support.checks import cached_prefixes
 from tandem.server.kv_events import (
     AllCleared, BlocksRemoved, BlocksStored, CursorError, KvEventPublisher, SubscriberLimitError, block_hash, page_digests,
 )
@@ -49,17 +50,6 @@ class RouterIndex:
             parent, ids = self.pages[h]
             return (prefix(parent) if parent is not None else ()) + ids
         return {prefix(h) for h in self.pages}
-
-
-def cached_prefixes(cache: RadixCache) -> set[tuple[int, ...]]:
-    """Every page-ending token prefix the cache holds, from the tree itself."""
-    out, stack = set(), [(child, ()) for child in cache.root.children.values()]
-    while stack:
-        node, above = stack.pop()
-        for i in range(0, len(node.key), P):
-            out.add(above + tuple(node.key[: i + P]))
-        stack.extend((c, above + tuple(node.key)) for c in node.children.values())
-    return out
 
 
 def insert(cache: RadixCache, tokens: list[int]) -> None:
