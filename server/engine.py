@@ -233,7 +233,7 @@ class Engine:
     def subscribe_kv_events(self, start: int) -> Subscription:
         """The prefix cache's events from sequence `start` on (0: a snapshot, then live); raises
         CursorError when `start` cannot be resumed from, SubscriberLimitError when full."""
-        return self.call(lambda: self.kv_events.subscribe(start, self.memory.cache_snapshot))
+        return self.call(lambda: self.kv_events.subscribe(start, self.memory.cache.snapshot_events))
 
     def drain(self) -> None:
         """The server is shutting down: the KV connector takes no new work from its peers."""
@@ -363,9 +363,7 @@ class Engine:
                 self._update(plan, out)
         elif self.scheduler.has_work():
             time.sleep(0.001)  # nothing fits right now; let inbox traffic (aborts) through
-        self.outputs.publish_ended()
-        self._publish_snapshot()
-        self.kv_events.publish()
+        self._publish()
 
     def step_overlapped(self) -> None:
         """poll -> schedule step N+1 and launch it on the runner thread -> update step N (waiting
@@ -386,9 +384,7 @@ class Engine:
                 self._update(ran, out)
         elif plan is None and self.scheduler.has_work():
             time.sleep(0.001)
-        self.outputs.publish_ended()
-        self._publish_snapshot()
-        self.kv_events.publish()
+        self._publish()
 
     def _update(self, plan: StepPlan, out: StepOutput) -> None:
         for req in self.scheduler.update(plan, out):
@@ -421,6 +417,13 @@ class Engine:
         for req, finish in events.ended:
             self.scheduler.end_elsewhere(req, finish)
             self.outputs.publish(req)
+
+    def _publish(self) -> None:
+        """The end of a step: the streams that ended, the step's KV events, then the statistics
+        (which count those events)."""
+        self.outputs.publish_ended()
+        self.kv_events.publish()
+        self._publish_snapshot()
 
     def _kv_event_stats(self) -> dict:
         s = self.kv_events.stats()

@@ -285,16 +285,15 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def GetLoads(self, request, context):
         snap = self.engine.snapshot
-        used_tokens = snap.kv_pages_used * snap.page_size
         load = pb.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=snap.running,
             num_waiting_reqs=snap.waiting,
             num_total_reqs=snap.running + snap.waiting,
-            num_used_tokens=used_tokens,
+            num_used_tokens=snap.used_tokens,
             max_total_num_tokens=self.engine.max_total_tokens,
             token_usage=snap.token_usage,
-            cache_hit_rate=snap.prefix_hit_tokens / snap.prefix_query_tokens if snap.prefix_query_tokens else 0.0,
+            cache_hit_rate=snap.prefix_hit_rate,
             utilization=snap.running / self.engine.config.max_running_requests,
             max_running_requests=self.engine.config.max_running_requests,
         )
@@ -370,8 +369,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             max_running_requests=config.max_running_requests, sample=sample, load_only=load_only,
         )
         if load_only or full:
-            load.cache_hit_rate = snap.prefix_hit_tokens / snap.prefix_query_tokens if snap.prefix_query_tokens else 0.0
-            load.num_used_tokens = snap.kv_pages_used * snap.page_size
+            load.cache_hit_rate = snap.prefix_hit_rate
+            load.num_used_tokens = snap.used_tokens
             load.max_total_num_tokens = self.engine.max_total_tokens
             load.queues.waiting = snap.waiting
             load.disaggregation.mode = self.identity.role if self.identity.role != "colocated" else "null"

@@ -24,10 +24,6 @@ class KVMemory:
         self.cache: PrefixCache = (RadixCache(self.allocator, page_size, events) if prefix_cache
                                    else ChunkCache(self.allocator, page_size))
 
-    def cache_snapshot(self) -> list:
-        """Every cached page as KV events (stored, parents first); none without a radix cache."""
-        return self.cache.snapshot_events() if isinstance(self.cache, RadixCache) else []
-
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages

@@ -58,6 +58,10 @@ class PrefixCache(ABC):
     def held_pages(self) -> list[int]: ...
 
     @abstractmethod
+    def snapshot_events(self) -> list[BlocksStored]:
+        """Every cached page as KV events (stored), each node after its parent."""
+
+    @abstractmethod
     def reset(self) -> bool:
         """Drop every cached page if none is pinned; return whether it did."""
 
@@ -108,6 +112,9 @@ class ChunkCache(PrefixCache):
         return 0
 
     def held_pages(self) -> list[int]:
+        return []
+
+    def snapshot_events(self) -> list[BlocksStored]:
         return []
 
     def reset(self) -> bool:
@@ -235,7 +242,6 @@ class RadixCache(PrefixCache):
                 [node.key[i : i + P] for i in range(0, len(node.key), P)])
 
     def snapshot_events(self) -> list[BlocksStored]:
-        """Every cached page as stored events, each node after its parent."""
         events, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()

@@ -48,6 +48,14 @@ class EngineSnapshot:
     def token_usage(self) -> float:
         return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
 
+    @property
+    def used_tokens(self) -> int:
+        return self.kv_pages_used * self.page_size
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
 
 class StatsObserver:
     """Per-request timings, called on the engine thread. The default does nothing."""

@@ -36,12 +36,14 @@ def make_workload(system_prompts: int, users: int, system_len: int, question_len
     return work
 
 
-def router_metric(text: str, name: str, **labels: str) -> float:
-    """Sum of `name`'s samples whose labels include `labels` in smg's /metrics (0 if none)."""
-    from prometheus_client.parser import text_string_to_metric_families
+def router_count(text: str, name: str, **labels: str) -> int:
+    """A counter of smg's /metrics; 0 when smg never created it (no KV events arrived)."""
+    from tandem.tools.stack import metric_value
 
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    try:
+        return int(metric_value(text, name, **labels))
+    except KeyError:
+        return 0
 
 
 def run(args, engine_args: list[str]) -> int:
@@ -102,6 +104,6 @@ def run_arm(log_dir: Path, engine_args: tuple[str, ...], router_args: tuple[str,
         "prefix_hit_tokens": int(sum(hit)),
         "prefix_query_tokens": int(sum(query)),
         "prompt_tokens_per_server": [int(q) for q in query],
-        "router_kv_event_batches_applied": int(router_metric(router, "smg_kv_event_batches_total", disposition="applied")),
-        "router_kv_index_blocks": int(router_metric(router, "smg_kv_index_blocks")),
+        "router_kv_event_batches_applied": router_count(router, "smg_kv_event_batches_total", disposition="applied"),
+        "router_kv_index_blocks": router_count(router, "smg_kv_index_blocks"),
     }

@@ -107,11 +107,13 @@ def metrics_text(metrics_port: int) -> str:
         return r.read().decode()
 
 
-def metric_value(text: str, name: str) -> float:
-    """Sample `name` in a Prometheus exposition, summed over its label sets; KeyError if absent."""
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sample `name` in a Prometheus exposition, summed over its label sets (those with `labels`);
+    KeyError if absent."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
     if not values:
         raise KeyError(f"metric {name} not exported")
     return sum(values)
