@@ -276,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     bpd.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
     bpd.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     bpd.add_argument("--workload-seed", type=int, default=1)
+    bpd.add_argument("--shared-prefix", action="store_true", help="instead: system prompts each shared by several users "
+                     "(--system-prompts, --users, --system-len, --question-len; outputs of --output-len MAX tokens)")
+    bpd.add_argument("--system-prompts", type=int, default=4, help="with --shared-prefix: distinct system prompts")
+    bpd.add_argument("--users", type=int, default=8, help="with --shared-prefix: requests per system prompt")
+    bpd.add_argument("--system-len", type=int, default=320, help="with --shared-prefix: tokens per system prompt")
+    bpd.add_argument("--question-len", type=int, default=24, help="with --shared-prefix: tokens per question")
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)

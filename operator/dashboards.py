@@ -278,7 +278,12 @@ def prefill_decode() -> dict:
                    [(sum_by(by_role, rate("tandem_peer_handshakes_total", f)), f"handshakes {legend('role')}"),
                     (sum_by(by_role, rate("tandem_peer_rehandshakes_total", f)), f"re-handshakes {legend('role')}"),
                     (sum_by((), rate("tandem_peers_offline_total", f)), "offline")],
-                   unit="ops", width=24),
+                   unit="ops", width=12),
+        timeseries("Decode prefix reuse", "Prompt KV the decodes received per second, and what they did not need "
+                   "sent because their own prefix cache held it.",
+                   [(sum_by((), rate("tandem_kv_transfer_bytes_total", f, 'role="decode"')), "received"),
+                    (sum_by((), rate("tandem_kv_transfer_skipped_bytes_total", f)), "skipped")],
+                   unit="Bps", width=12),
         row("KV cache"),
         timeseries("KV cache usage", "KV pages used by requests over the pages in the pool, by pool.",
                    [(f'{sum_by(by_role, selector("tandem_kv_pages_used", f))} / '
@@ -296,7 +301,12 @@ def prefill_decode() -> dict:
                    [(sum_by(by_role, rate("tandem_kv_event_batches_total", f)), f"batches/s {legend('role')}"),
                     (sum_by(by_role, selector("tandem_kv_event_subscribers", f)), f"subscribers {legend('role')}"),
                     (sum_by(by_role, rate("tandem_kv_event_subscribers_dropped_total", f)),
-                     f"dropped/s {legend('role')}")], width=24),
+                     f"dropped/s {legend('role')}")], width=12),
+        timeseries("Decode prefix hit ratio", "Prompt tokens the decodes found in their own prefix cache before "
+                   "the KV transfer (not sent) over the prompt tokens of the requests that arrived.",
+                   [(f'{sum_by((), rate("tandem_decode_prefix_hit_tokens_total", f))} / '
+                     f'{sum_by((), rate("tandem_decode_prefix_query_tokens_total", f))}', "decode")],
+                   unit="percentunit", width=12, max_value=1),
     ]
     return dashboard("tandem-pd", "tandem / Prefill-decode",
                      "Per-pool queues, KV transfer and KV cache of prefill/decode disaggregation.",

@@ -110,6 +110,10 @@ class DisaggConfig:
         "forward pass and transfer)"
     )
     peer_timeout: float = opt(3.0, "seconds a peer's bootstrap service may stay unreachable before its requests fail")
+    disable_decode_prefix_reuse: bool = opt(
+        False, "decode: take every prompt page from the prefill, even the leading ones this server's prefix "
+        "cache holds already (by default only the rest moves)"
+    )
     peer_heartbeat_interval: float = opt(
         5.0, "decode: seconds between liveness checks of each prefill it is registered with (offline after two "
         "missed in a row); prefill: how long a leaving server waits for its decode peers to hear it"

@@ -70,10 +70,12 @@ class KVMemory:
         req.slot = self.slots.acquire(req)
         return True
 
-    def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Give `req` a slot and fresh pages for positions [0, num_tokens), sharing nothing with
-        the prefix cache (a decode server's destination for transferred KV). All or nothing."""
-        return self.admit(req, self.cache.match([]), num_tokens)
+    def reserve(self, req: Request, num_tokens: int, reuse_prefix: bool = False) -> bool:
+        """Give `req` a slot and pages for positions [0, num_tokens): a decode server's destination
+        for transferred KV. With `reuse_prefix`, the longest cached prefix of its prompt (as `match`
+        finds it: at least one page left to arrive) is pinned and shared, `req.cached_pages` long,
+        and only the pages after it are fresh; otherwise all are. All or nothing."""
+        return self.admit(req, self.match(req) if reuse_prefix else self.cache.match([]), num_tokens)
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Make `req`'s pages cover positions [0, num_tokens). All or nothing."""

@@ -33,6 +33,9 @@ class EngineSnapshot:
     prealloc_queue: int = 0  # decode: handshaking and reserving pages
     transfer_queue: int = 0  # decode: waiting for KV
     kv_transfer_bytes: int = 0  # KV bytes sent (prefill) or received (decode)
+    kv_transfer_skipped_bytes: int = 0  # decode: prompt KV not sent, its prefix cache held it
+    decode_prefix_query_tokens: int = 0  # decode: prompt tokens of arrived requests looked up at reservation
+    decode_prefix_hit_tokens: int = 0  # decode: of those, tokens its prefix cache held (not sent)
     kv_transfer_failures: int = 0
     bootstrap_failures: int = 0
     peer_handshakes: int = 0  # decode: handshakes made with prefill processes; prefill: decode peers registered

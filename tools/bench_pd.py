@@ -1,8 +1,13 @@
-"""`tandem bench pd`: the `tandem bench serve` workload, run colocated (one server) and
-disaggregated (one prefill + one decode server, KV over Mooncake), each behind the smg router,
-in one run. Prints both results, the KV bytes moved, the prefill's KV write time per request
-(p50/p99) against TTFT, and Mooncake's TCP throughput against a plain memory copy of the same
-bytes. One JSON line per part, then a summary.
+"""`tandem bench pd`: the `tandem bench serve` workload, run colocated (one server),
+disaggregated (one prefill + one decode server, KV over Mooncake), and disaggregated with the
+decode's prefix reuse off (`--disable-decode-prefix-reuse`: every prompt page moves), each behind
+the smg router, in one run. Prints each result, the KV bytes moved per request and those the
+decode's own prefix cache spared, the prefill's KV write time per request (p50/p99) against
+TTFT, and Mooncake's TCP throughput against a plain memory copy of the same bytes. One JSON line
+per part, then a summary.
+
+`--shared-prefix` swaps the workload for `tandem bench cache-routing`'s: a few long system
+prompts, each shared by several users, the case decode-side prefix reuse is for.
 """
 
 from __future__ import annotations
@@ -14,8 +19,16 @@ from pathlib import Path
 
 import torch
 
+from tandem.tools import bench_cache_routing
 from tandem.tools.bench_offline import make_workload
 from tandem.tools.bench_serve import openai_runner, drive
+
+# mode -> (roles, extra server flags)
+MODES = {
+    "colocated": (["colocated"], ()),
+    "disaggregated": (["prefill", "decode"], ()),
+    "disaggregated_no_decode_reuse": (["prefill", "decode"], ("--disable-decode-prefix-reuse",)),
+}
 
 
 def histogram_quantile(text: str, name: str, q: float) -> float:
@@ -72,27 +85,36 @@ def run(args, engine_args: list[str]) -> int:
     from tandem.tools.stack import LocalStack, metric_value
     from tandem.server.tokenizer import load_tokenizer
 
-    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+    if args.shared_prefix:
+        work = bench_cache_routing.make_workload(args.system_prompts, args.users, args.system_len, args.question_len,
+                                                 args.output_len[1], args.workload_seed)
+    else:
+        work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
     source = resolve_model(args.model)
     tokenizer = load_tokenizer(source)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-pd-"))
     logs.mkdir(parents=True, exist_ok=True)
     results = {}
-    for mode, roles in (("colocated", ["colocated"]), ("disaggregated", ["prefill", "decode"])):
+    for mode, (roles, flags) in MODES.items():
         (logs / mode).mkdir(exist_ok=True)
-        with LocalStack(logs / mode, tuple(engine_args)) as stack:
+        with LocalStack(logs / mode, (*engine_args, *flags)) as stack:
             servers = stack.start_servers(roles)
             stack.wait()
             base = stack.start_router()
             run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
             result = {"bench": "pd", "mode": mode, **drive(run_one, work, args.concurrency)}
-            if mode == "disaggregated":
-                prefill = servers[0].metrics_text()
+            if len(roles) == 2:
+                prefill, decode = servers[0].metrics_text(), servers[1].metrics_text()
                 sent = metric_value(prefill, "tandem_kv_transfer_bytes_total")
+                skipped = metric_value(decode, "tandem_kv_transfer_skipped_bytes_total")
+                hit = metric_value(decode, "tandem_decode_prefix_hit_tokens_total")
+                query = metric_value(decode, "tandem_decode_prefix_query_tokens_total")
                 write = [histogram_quantile(prefill, "tandem_kv_transfer_latency_seconds", q) for q in (0.5, 0.99)]
                 result.update({
                     "kv_bytes_moved": int(sent),
                     "kv_bytes_per_request": int(sent / len(work)),
+                    "kv_bytes_skipped_per_request": int(skipped / len(work)),
+                    "decode_prefix_hit_rate": round(hit / query, 3) if query else 0.0,
                     "kv_write_p50_ms": round(write[0] * 1000, 2),
                     "kv_write_p99_ms": round(write[1] * 1000, 2),
                     "kv_write_p50_share_of_ttft_p50": round(write[0] / result["ttft_p50_s"], 4),
@@ -101,13 +123,16 @@ def run(args, engine_args: list[str]) -> int:
                 })
             results[mode] = result
             print(json.dumps(result), flush=True)
-    copy = {"bench": "pd", "mode": "copy", **transfer_vs_memcpy(results["disaggregated"]["kv_bytes_per_request"])}
+    copy = {"bench": "pd", "mode": "copy",
+            **transfer_vs_memcpy(results["disaggregated_no_decode_reuse"]["kv_bytes_per_request"])}
     print(json.dumps(copy), flush=True)
-    colo, pd = results["colocated"], results["disaggregated"]
+    colo, pd, whole = results["colocated"], results["disaggregated"], results["disaggregated_no_decode_reuse"]
     print(json.dumps({
         "bench": "pd", "mode": "summary",
         "throughput_pd_over_colocated": round(pd["output_tokens_per_s"] / colo["output_tokens_per_s"], 3),
         "ttft_p50_pd_over_colocated": round(pd["ttft_p50_s"] / colo["ttft_p50_s"], 3),
         "tpot_p50_pd_over_colocated": round(pd["tpot_p50_ms"] / colo["tpot_p50_ms"], 3),
+        "kv_bytes_per_request_reuse_over_no_reuse": round(pd["kv_bytes_per_request"] / whole["kv_bytes_per_request"], 3),
+        "ttft_p50_reuse_over_no_reuse": round(pd["ttft_p50_s"] / whole["ttft_p50_s"], 3),
     }))
     return 0

@@ -3,10 +3,12 @@
 A prefill server runs one. A decode server (1) reads its KV layout and Mooncake session
 (`GET /v1/layout`), (2) registers its own KV pool (one buffer per tensor-parallel rank, together
 holding every KV head once) and arrival-record buffer once (`POST /v1/peers`), then (3) per
-request registers the destination pages under the request's `bootstrap_room` (`POST /v1/rooms`). It polls room states (`POST /v1/status`), may cancel a
-room (`POST /v1/rooms/<room>/cancel`), checks the prefill is alive (`POST /v1/heartbeat`) and
-says goodbye when it shuts down (`POST /v1/peers/leave`); `GET /v1/peers` lists the decodes
-registered now. KV itself never passes through here: prefill writes it with Mooncake one-sided
+request registers the destination pages under the request's `bootstrap_room` (`POST /v1/rooms`):
+those of the prompt pages after the `skip_pages` leading ones its prefix cache holds already
+(non-zero only with a prefill that lists `skip_pages` in its `features`). It polls room states
+(`POST /v1/status`), may cancel a room (`POST /v1/rooms/<room>/cancel`), checks the prefill is
+alive (`POST /v1/heartbeat`) and says goodbye when it shuts down (`POST /v1/peers/leave`);
+`GET /v1/peers` lists the decodes registered now. KV itself never passes through here: prefill writes it with Mooncake one-sided
 writes.
 
 Identity: both processes get an instance id on each start. Every answer of this service carries
@@ -29,6 +31,10 @@ from tandem.server.disagg.rooms import PeerRefused, RoomState, RoomTable
 
 log = logging.getLogger("tandem.bootstrap")
 
+# What this prefill understands beyond the first protocol, in its layout answer: a decode uses a
+# feature only with a prefill that lists it (a rolling upgrade pairs old and new processes).
+FEATURES = ["skip_pages"]  # rooms may register destinations for the prompt's later pages only
+
 
 class _Handler(BaseHTTPRequestHandler):
     table: RoomTable  # set on the per-server subclass
@@ -47,7 +53,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/v1/layout":
             self._reply(200, {"layout": self.table.layout.to_json(), "session": self.table.session,
-                              "kv_heads": self.table.kv_heads})
+                              "kv_heads": self.table.kv_heads, "features": FEATURES})
         elif self.path == "/v1/peers":
             self._reply(200, {"peers": self.table.peers()})
         elif self.path == "/health":
@@ -156,9 +162,10 @@ class BootstrapClient:
                                  refused=isinstance(reason, ConnectionRefusedError)) from None
 
     def layout(self) -> dict:
-        """{"layout": KVLayout, "session", "instance", "kv_heads": [[first head, heads] per rank]}"""
+        """{"layout": KVLayout, "session", "instance", "kv_heads": [[first head, heads] per rank],
+        "features": [names]} (no features from a prefill older than them)"""
         body = self._call("/v1/layout")
-        return {**body, "layout": KVLayout.from_json(body["layout"])}
+        return {"features": [], **body, "layout": KVLayout.from_json(body["layout"])}
 
     def add_peer(self, me: dict, session: str, layout: KVLayout, parts: list[KVBuffer], record_base: int) -> dict:
         """`me`: {"decode": name, "decode_instance": id}, sent with every call that names the decode."""
@@ -166,9 +173,11 @@ class BootstrapClient:
                                         "kv_parts": [p.to_json() for p in parts], "record_base": record_base})
 
     def register(self, me: dict, room: int, request_id: str, prompt_len: int, digest: int,
-                 pages: list[int], record_slot: int) -> dict:
+                 pages: list[int], record_slot: int, skip_pages: int = 0) -> dict:
+        """`pages`: destinations of the prompt's pages after its first `skip_pages`."""
         return self._call("/v1/rooms", {**me, "room": room, "request_id": request_id, "prompt_len": prompt_len,
-                                        "digest": digest, "pages": pages, "record_slot": record_slot})
+                                        "digest": digest, "pages": pages, "record_slot": record_slot,
+                                        "skip_pages": skip_pages})
 
     def cancel(self, room: int, message: str) -> str:
         return self._call(f"/v1/rooms/{room}/cancel", {"message": message})["state"]

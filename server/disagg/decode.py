@@ -5,6 +5,11 @@ reserve a slot and pages for the prompt, register them under the request's room)
 (poll the request's arrival record; prefill writes it after the KV) -> the scheduler's running
 batch, with the first token, without a forward pass over the prompt.
 
+Prefix reuse: the reservation pins the longest prefix of the prompt this server's prefix cache
+holds (a shared system prompt, the earlier turns of a conversation), and only the pages after it
+are registered: the prefill sends those alone (`skip_pages`). When the request ends, its pages
+enter the prefix cache like a colocated server's, for the next request with that prefix.
+
 Peers: a `_Peer` is this decode's registration with one prefill *process* (its instance id, read
 at the handshake and in every answer). A new instance at the same address, a refusal that says
 the registration is unknown, or a prefill that says it is leaving retires the registration; the
@@ -12,7 +17,8 @@ next request handshakes again. Ready peers get a heartbeat every `--peer-heartbe
 after two missed in a row (or, while requests wait on it, `--peer-timeout` without an answer)
 the peer is offline and the requests waiting on it fail at once (UNAVAILABLE).
 
-Ownership: from reservation on, the request's slot and pages belong to this connector. Pages
+Ownership: from reservation on, the request's slot and pages belong to this connector (its
+cached prefix stays the prefix cache's, pinned: no transfer writes it, no failure frees it). Pages
 that a live prefill may still write are never reused: when a request ends before its KV arrived,
 its pages stay quarantined until the prefill reports the room finished (done, failed, unknown)
 or is proven gone (another instance answers at its address, or nothing listens there: a prefill
@@ -75,6 +81,7 @@ class _Peer:
     state: PeerState = PeerState.CONNECTING
     instance: str = ""  # the prefill process we registered with
     head_major: bool = False  # it splits the KV heads unlike us: its pages arrive head-major
+    skips_pages: bool = False  # it can leave out the prompt pages our prefix cache holds
     leaving: bool = False
     error: str = ""
     code: str = ""
@@ -120,6 +127,7 @@ class DecodeConnector(KVConnector):
                  name: str | None = None, ranks: OtherRanks | None = None):
         super().__init__(on_transfer)
         self.config, self.layout, self.memory, self.wake = config, layout, memory, wake
+        self.reuse = not config.disable_decode_prefix_reuse
         self.transfer = MooncakeTransfer(advertise_host, config.kv_transfer_protocol, config.ib_device)
         # One buffer per tensor-parallel rank: each prefill rank writes its heads into whichever holds them.
         self.buffer, self.ranks = kv_cache.buffer, ranks
@@ -138,7 +146,8 @@ class DecodeConnector(KVConnector):
         self._events = ConnectorEvents()  # what the current poll hands the loop
         self._reserved_tokens = 0  # KV the running requests keep for their output, as of the current poll
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0,
-                         "peer_handshakes": 0, "peer_rehandshakes": 0, "peers_offline": 0}
+                         "peer_handshakes": 0, "peer_rehandshakes": 0, "peers_offline": 0,
+                         "kv_transfer_skipped_bytes": 0, "decode_prefix_query_tokens": 0, "decode_prefix_hit_tokens": 0}
         self.kv_bytes_per_page = 2 * layout.num_layers * layout.page_bytes
         log.info("decode KV connector: %s (instance %s), Mooncake session %s (%s)", self.me["decode"],
                  self.me["decode_instance"], self.transfer.session, config.kv_transfer_protocol)
@@ -167,7 +176,7 @@ class DecodeConnector(KVConnector):
         theirs = client.layout()
         self.layout.check_compatible(theirs["layout"], here="on decode", there=f"on prefill {client.address}")
         answer = client.add_peer(self.me, self.transfer.session, self.layout, self.parts, self.records.base)
-        return {**answer, "kv_heads": theirs["kv_heads"]}
+        return {**answer, "kv_heads": theirs["kv_heads"], "features": theirs["features"]}
 
     def _known_peers(self) -> list[_Peer]:
         """Current registrations and retired ones that requests or quarantined pages still wait on."""
@@ -182,6 +191,7 @@ class DecodeConnector(KVConnector):
             if error is None:
                 answer = peer.handshake.result()
                 peer.head_major = [list(h) for h in answer["kv_heads"]] != self.kv_heads
+                peer.skips_pages = "skip_pages" in answer["features"]
                 self._connected(peer, answer["instance"], now)
             else:
                 mismatch = isinstance(error, LayoutMismatch) or getattr(error, "conflict", False)
@@ -310,12 +320,15 @@ class DecodeConnector(KVConnector):
                 self.counters["bootstrap_failures"] += 1
                 self.pool.submit(self._cancel, peer.client, room, peer.error)  # end the prefill leg now, if it can hear
                 return self._fail(p, peer.error, peer.code)
-            if peer.state is PeerState.READY and (req.slot is not None or self._reserve(req)):
+            if peer.state is PeerState.READY and req.cached_pages and not peer.skips_pages:
+                self.memory.release(req)  # reserved for a prefill replaced by one that sends whole prompts
+            if peer.state is PeerState.READY and (req.slot is not None or self._reserve(req, peer)):
                 self.records.clear(req.slot)
                 p.stage = Stage.REGISTERING
                 p.call = self.pool.submit(
                     peer.client.register, self.me, room, req.rid, req.prompt_len,
-                    prompt_digest(req.token_ids[: req.prompt_len]), list(req.pages), req.slot,
+                    prompt_digest(req.token_ids[: req.prompt_len]), req.pages[req.cached_pages :], req.slot,
+                    req.cached_pages,
                 )
                 p.call.add_done_callback(lambda _: self.wake())
             elif now > p.due:
@@ -377,27 +390,32 @@ class DecodeConnector(KVConnector):
                                  f"{self.config.transfer_timeout:g}s (--transfer-timeout)", "deadline_exceeded")
         return None
 
-    def _reserve(self, req: Request) -> bool:
-        """A slot and pages for the prompt, leaving the running requests their output headroom."""
+    def _reserve(self, req: Request, peer: _Peer) -> bool:
+        """A slot and pages for the prompt, sharing the prefix our cache holds when the prefill can
+        leave it out, and leaving the running requests their output headroom."""
         headroom = self.memory.pages_for(self._reserved_tokens)
         if self.memory.available_pages - self.memory.pages_for(req.prompt_len) < headroom:
-            return False
-        return self.memory.reserve(req, req.prompt_len)
+            return False  # (a cached prefix would take fewer pages: this errs on the safe side)
+        return self.memory.reserve(req, req.prompt_len, reuse_prefix=self.reuse and peer.skips_pages)
 
     def _arrived(self, p: _Pending, record: ArrivalRecord, now: float) -> None:
         req = p.req
         del self.pending[req.rid]
+        arrived = req.pages[req.cached_pages : self.memory.pages_for(req.prompt_len)]  # not the cached prefix
         if p.peer.head_major:  # on every rank, before any forward pass reads these pages
-            pages = req.pages[: self.memory.pages_for(req.prompt_len)]
-            token_major(self.buffer, pages)
+            token_major(self.buffer, arrived)
             if self.ranks is not None:
-                self.ranks.relayout(pages)
+                self.ranks.relayout(arrived)
         req.num_cached_prompt = record.cached_tokens
         if req.params.logprobs:
             req.output_logprobs.append(record.logprob)
         if req.params.top_logprobs:
             req.output_top_logprobs.append([])  # the prefill sends the chosen token's logprob only
-        self.counters["kv_transfer_bytes"] += self.memory.pages_for(req.prompt_len) * self.kv_bytes_per_page
+        self.counters["kv_transfer_bytes"] += len(arrived) * self.kv_bytes_per_page
+        self.counters["kv_transfer_skipped_bytes"] += req.cached_pages * self.kv_bytes_per_page
+        if self.reuse and p.peer.skips_pages:  # its prompt was looked up in the prefix cache
+            self.counters["decode_prefix_query_tokens"] += req.prompt_len
+            self.counters["decode_prefix_hit_tokens"] += req.cached_pages * self.memory.page_size
         self.on_transfer(now - p.registered_at)
         self._events.arrived.append((req, record.first_token))
         # It joins the running batch after this poll: until the next one counts it at the

@@ -3,7 +3,8 @@
 Request path: bootstrap queue (until the decode has registered its destination pages for the
 request's room) -> the scheduler (waiting, forward pass, exactly one sampled token: the request
 ends there and its gRPC stream closes) -> inflight (its pages are written to the decode with
-Mooncake, then the arrival record) -> done (pages released; the prompt stays in the prefix cache).
+Mooncake, but for the leading ones the decode said it holds already, then the arrival record)
+-> done (pages released; the prompt stays in the prefix cache).
 
 Ownership: every request that ends in the scheduler comes to this connector with what it holds
 (`takes_finished`); one whose room is still queued goes inflight: its slot and pages belong to
@@ -136,7 +137,8 @@ class PrefillConnector(KVConnector):
             self.memory.release(req)
             return
         need = -(-req.prompt_len // self.layout.page_size)
-        plan = transfer_plan(self.layout, self.parts, list(reg.peer.parts), req.pages[:need], reg.pages)
+        # The decode's prefix cache holds the first `skip_pages`: only the rest moves.
+        plan = transfer_plan(self.layout, self.parts, list(reg.peer.parts), req.pages[reg.skip_pages : need], reg.pages)
         logprob = req.output_logprobs[0] if req.output_logprobs else 0.0
         self.records.write(req.slot, ArrivalRecord(req.bootstrap.room, req.token_ids[req.prompt_len], req.num_cached_prompt, logprob))
         record = (self.records.address(req.slot), reg.peer.record_base + reg.record_slot * RECORD_BYTES)

@@ -93,8 +93,9 @@ class Registration:
     request_id: str
     prompt_len: int
     digest: int
-    pages: list[int]
+    pages: list[int]  # destinations of the prompt's pages from `skip_pages` on
     record_slot: int
+    skip_pages: int = 0  # leading prompt pages the decode holds already (its prefix cache): not sent
 
 
 @dataclass
@@ -202,11 +203,15 @@ class RoomTable:
             if self._leaving_since is not None and not claimed:
                 raise PeerRefused("leaving", f"prefill instance {self.instance} is shutting down: bootstrap_room "
                                              f"{body['room']} has no prefill request here and will get none")
-            pages, prompt_len = list(body["pages"]), int(body["prompt_len"])
+            pages, prompt_len, skip = list(body["pages"]), int(body["prompt_len"]), int(body.get("skip_pages", 0))
             need = -(-prompt_len // self.layout.page_size)
-            if len(pages) != need or not all(0 <= p < peer.num_pages for p in pages):
-                raise ValueError(f"{len(pages)} destination pages for {prompt_len} prompt tokens; need {need} in [0, {peer.num_pages})")
-            reg = Registration(peer, body["request_id"], prompt_len, int(body["digest"]), pages, int(body["record_slot"]))
+            if not 0 <= skip < need:
+                raise ValueError(f"skip_pages {skip} for {prompt_len} prompt tokens: must be in [0, {need}) "
+                                 "(the last prompt page always moves)")
+            if len(pages) != need - skip or not all(0 <= p < peer.num_pages for p in pages):
+                raise ValueError(f"{len(pages)} destination pages for {prompt_len} prompt tokens with skip_pages {skip}; "
+                                 f"need {need - skip} in [0, {peer.num_pages})")
+            reg = Registration(peer, body["request_id"], prompt_len, int(body["digest"]), pages, int(body["record_slot"]), skip)
             room = self._rooms.get(body["room"])
             if room is None:
                 room = self._rooms[body["room"]] = Room(body["room"])

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from support.checks import assert_engine_clean, assert_matches_reference
+import torch
+
+from support.checks import assert_engine_clean, assert_matches_reference, cached_prefixes
 from support.serving import free_port
 from tandem.server.config import DisaggConfig, EngineConfig
 from tandem.server.request import Bootstrap
@@ -18,14 +20,16 @@ from tandem.server.sampling_params import InvalidRequestError, SamplingParams
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
 
-def make_pd(smollm_fp32, prefill=None, decode=None, **engine):
-    """(prefill engine, decode engine, bootstrap port)."""
+def make_pd(smollm_fp32, prefill=None, decode=None, decode_engine=None, **engine):
+    """(prefill engine, decode engine, bootstrap port). `prefill`, `decode`: DisaggConfig fields of
+    each; `engine`: EngineConfig fields of both, `decode_engine` the decode's own."""
     from tandem.server.engine import Engine
 
     engine.setdefault("max_total_tokens", 8192)
     port = free_port()
     p = Engine(EngineConfig(**engine), model=smollm_fp32, disagg=DisaggConfig(role="prefill", bootstrap_port=port, **(prefill or {}))).start()
-    d = Engine(EngineConfig(**engine), model=smollm_fp32, disagg=DisaggConfig(role="decode", **(decode or {}))).start()
+    d = Engine(EngineConfig(**{**engine, **(decode_engine or {})}), model=smollm_fp32,
+               disagg=DisaggConfig(role="decode", **(decode or {}))).start()
     return p, d, port
 
 
@@ -99,6 +103,139 @@ def assert_pd_matches_the_reference(p, d, port, hf_reference):
     assert results[1]["decode"].cached_tokens == results[1]["prefill"].cached_tokens >= 288
     assert p.snapshot.kv_transfer_bytes == d.snapshot.kv_transfer_bytes > 0
     assert_clean(p, d)
+
+
+# -- decode-side prefix reuse ----------------------------------------------------------------------
+@pytest.fixture
+def registrations(monkeypatch):
+    """Every room a decode registers: (prompt_len, destination pages, skip_pages)."""
+    from tandem.server.disagg.bootstrap import BootstrapClient
+
+    seen, register = [], BootstrapClient.register
+
+    def spy(self, me, room, request_id, prompt_len, digest, pages, record_slot, skip_pages=0):
+        seen.append((prompt_len, list(pages), skip_pages))
+        return register(self, me, room, request_id, prompt_len, digest, pages, record_slot, skip_pages)
+
+    monkeypatch.setattr(BootstrapClient, "register", spy)
+    return seen
+
+
+def _cached_pages(engine) -> tuple[set[int], dict[int, torch.Tensor]]:
+    """The decode's cached pages now, and a copy of each one's KV in every layer."""
+
+    def read():
+        pages = set(engine.memory.cache.held_pages())
+        return pages, {page: engine.kv_cache.buffer[:, :, page].clone() for page in pages}
+
+    return engine.call(read)
+
+
+@pytest.mark.parametrize("case", ["reuse", "disabled", "old-prefill"])
+def test_decode_gets_only_the_pages_its_prefix_cache_lacks(smollm_fp32, hf_reference, registrations, monkeypatch, case):
+    """A shared system prompt, then two users and one user's follow-up turn: with reuse, the decode
+    registers destinations only past the prefix its own cache holds (a page it caches is never a
+    destination, and its KV is the same before and after), the prefill sends only those pages,
+    the counters say what was skipped, and every output equals the reference. The last page always
+    moves. With `--disable-decode-prefix-reuse`, or with a prefill that does not list the feature
+    (an older version during a rollout), every page moves."""
+    if case == "old-prefill":
+        monkeypatch.setattr("tandem.server.disagg.bootstrap.FEATURES", [])
+    reuse = case == "reuse"
+    p, d, port = make_pd(smollm_fp32, decode={"disable_decode_prefix_reuse": case == "disabled", "bootstrap_timeout": 3.0})
+    try:
+        rng, page = random.Random(11), d.config.page_size
+        system = [rng.randrange(1000, 40000) for _ in range(200)]  # 12 whole pages and 8 tokens
+        first = system + [rng.randrange(1000, 40000) for _ in range(30)]
+        turn1 = run_pair(p, d, port, first)["decode"]
+        _wait_idle(p, d)  # its pages are in the decode's cache now
+        follow_up = first + turn1.output_ids + [rng.randrange(1000, 40000) for _ in range(20)]
+        second = system + [rng.randrange(1000, 40000) for _ in range(40)]
+        cached, kv_before = _cached_pages(d)
+        computed = len(first) + len(turn1.output_ids) - 1  # the last output token has no KV yet
+        assert len(cached) == computed // page
+
+        results = [None, None]
+
+        def one(i, prompt):
+            results[i] = run_pair(p, d, port, prompt)["decode"]
+
+        threads = [threading.Thread(target=one, args=(i, prompt)) for i, prompt in enumerate((second, follow_up))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for prompt, out in zip((first, second, follow_up), (turn1, *results)):
+            want, gaps = hf_reference.greedy(prompt, GREEDY.max_new_tokens)
+            assert_matches_reference(out.output_ids, want, gaps, f"{len(prompt)}-token prompt")
+
+        need = {n: -(-n // page) for n in (len(first), len(second), len(follow_up))}
+        skips = {len(first): 0, len(second): 200 // page,
+                 len(follow_up): min(computed // page, (len(follow_up) - 1) // page)} if reuse else {}
+        assert sorted((n, skip) for n, _, skip in registrations) == sorted((n, skips.get(n, 0)) for n in need)
+        for n, pages, skip in registrations:
+            assert len(pages) == need[n] - skip
+            if n != len(first):
+                assert not set(pages) & cached, "a cached page was registered as a transfer destination"
+        kv_after = d.call(lambda: {page: d.kv_cache.buffer[:, :, page].clone() for page in cached})
+        assert all(torch.equal(kv_before[page], kv_after[page]) for page in cached), "the cached prefix was written"
+
+        page_bytes = d.connector.kv_bytes_per_page
+        skipped = sum(skip for _, _, skip in registrations)
+        assert p.snapshot.kv_transfer_bytes == d.snapshot.kv_transfer_bytes == (sum(need.values()) - skipped) * page_bytes
+        assert d.snapshot.kv_transfer_skipped_bytes == skipped * page_bytes
+        assert d.snapshot.decode_prefix_hit_tokens == skipped * page
+        assert d.snapshot.decode_prefix_query_tokens == (sum(need) if reuse else 0)
+        assert_clean(p, d)
+
+        # A decode leg whose prefill never comes: it times out and frees its own pages, never the
+        # cached prefix it pinned.
+        held = cached_prefixes_of(d)
+        lost = run_pair(p, d, port, system + [7] * 40, legs=("decode",))["decode"]
+        assert lost.finish_reason == "abort" and "no prefill request arrived" in lost.error
+        assert_clean(p, d)
+        assert held <= cached_prefixes_of(d)
+    finally:
+        for e in (p, d):
+            e.shutdown()
+
+
+def cached_prefixes_of(engine) -> set[tuple[int, ...]]:
+    return engine.call(lambda: cached_prefixes(engine.memory.cache))
+
+
+def test_decode_reuse_stays_exact_through_retraction_on_the_decode(smollm_fp32, hf_reference):
+    """A decode pool too small for every request's output: running requests are retracted and
+    recomputed on the decode from its own cache; with the shared prefix reused, outputs stay equal
+    to the reference and both sides end clean."""
+    p, d, port = make_pd(smollm_fp32, decode_engine={"max_total_tokens": 640, "init_new_token_ratio": 0.0,
+                                                     "min_new_token_ratio": 0.0})
+    try:
+        rng = random.Random(12)
+        system = [rng.randrange(1000, 40000) for _ in range(200)]
+        params = SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)
+        prompts = [system + [rng.randrange(1000, 40000) for _ in range(20 + 7 * i)] for i in range(6)]
+        run_pair(p, d, port, prompts[0], params)  # the system prompt is in the decode's cache from here on
+        _wait_idle(p, d)
+        results = [None] * len(prompts)
+
+        def one(i):
+            results[i] = run_pair(p, d, port, prompts[i], params)["decode"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for prompt, out in zip(prompts, results):
+            want, gaps = hf_reference.greedy(prompt, params.max_new_tokens)
+            assert_matches_reference(out.output_ids, want, gaps, f"{len(prompt)}-token prompt")
+        assert d.call(lambda: d.scheduler.stats.retractions) > 0, "the decode pool was not small enough to retract"
+        assert d.snapshot.decode_prefix_hit_tokens >= len(prompts) * 192
+        assert_clean(p, d)
+    finally:
+        for e in (p, d):
+            e.shutdown()
 
 
 def test_decode_leg_with_no_prefill_times_out_and_frees(pd):

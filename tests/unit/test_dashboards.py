@@ -199,9 +199,11 @@ PROMISED = {
         "KV transfer latency": {"tandem_kv_transfer_latency_seconds_bucket"},
         "Transfer and bootstrap failures": {"tandem_kv_transfer_failures_total", "tandem_bootstrap_failures_total"},
         "Peer handshakes": {"tandem_peer_handshakes_total", "tandem_peer_rehandshakes_total", "tandem_peers_offline_total"},
+        "Decode prefix reuse": {"tandem_kv_transfer_bytes_total", "tandem_kv_transfer_skipped_bytes_total"},
         "KV cache usage": {"tandem_kv_pages_used", "tandem_kv_pages_total"},
         "Prefix cache hit ratio": {"tandem_prefix_cache_hit_tokens_total", "tandem_prefix_cache_query_tokens_total"},
         "KV events": {"tandem_kv_event_batches_total", "tandem_kv_event_subscribers", "tandem_kv_event_subscribers_dropped_total"},
+        "Decode prefix hit ratio": {"tandem_decode_prefix_hit_tokens_total", "tandem_decode_prefix_query_tokens_total"},
     },
     "tandem-autoscaling.json": {
         "Prefill replicas": {"tandem_autoscaler_replicas", "tandem_autoscaler_desired_replicas"},

@@ -162,10 +162,12 @@ def test_arrival_record_round_trip_and_torn_reads():
     assert buf.read(2) is None
 
 
-def _register(table, room, prompt=(1, 2, 3, 4, 5), pages=(0, 1), instance="d1"):
-    return table.register({"room": room, "decode": "d", "decode_instance": instance, "request_id": "r",
-                           "prompt_len": len(prompt), "digest": prompt_digest(list(prompt)), "pages": list(pages),
-                           "record_slot": 0})
+def _register(table, room, prompt=(1, 2, 3, 4, 5), pages=(0, 1), instance="d1", skip_pages=None):
+    body = {"room": room, "decode": "d", "decode_instance": instance, "request_id": "r", "prompt_len": len(prompt),
+            "digest": prompt_digest(list(prompt)), "pages": list(pages), "record_slot": 0}
+    if skip_pages is not None:  # a decode older than the field sends none
+        body["skip_pages"] = skip_pages
+    return table.register(body)
 
 
 def _add_peer(table, instance="d1"):
@@ -216,7 +218,7 @@ def test_cancel_before_transfer_blocks_it(table):
 
 
 def test_registration_is_validated(table):
-    with pytest.raises(ValueError, match="2 destination pages for 9 prompt tokens; need 3"):
+    with pytest.raises(ValueError, match="2 destination pages for 9 prompt tokens with skip_pages 0; need 3"):
         _register(table, 7, prompt=range(9))
     with pytest.raises(ValueError, match=r"need 2 in \[0, 8\)"):
         _register(table, 7, pages=(0, 8))
@@ -226,6 +228,22 @@ def test_registration_is_validated(table):
     _register(table, 7)
     with pytest.raises(ValueError, match="already registered"):
         _register(table, 7)
+
+
+def test_registration_may_leave_out_the_pages_the_decode_holds(table):
+    """A decode whose prefix cache holds the prompt's first pages registers destinations for the
+    rest; the last page always moves, and the counts must add up."""
+    prompt = list(range(9))  # 3 pages of 4
+    assert table.claim(7, "p", 9, prompt_digest(prompt)).state is RoomState.CLAIMED
+    assert _register(table, 7, prompt=prompt, pages=(5,), skip_pages=2).state is RoomState.QUEUED
+    reg = table.start_transfer(7)
+    assert (reg.skip_pages, reg.pages) == (2, [5])
+    for skip, pages, why in ((3, (), r"skip_pages 3 for 9 prompt tokens: must be in \[0, 3\)"),
+                             (-1, (1, 2, 3, 4), r"skip_pages -1 for 9 prompt tokens: must be in \[0, 3\)"),
+                             (1, (5,), "1 destination pages for 9 prompt tokens with skip_pages 1; need 2")):
+        with pytest.raises(ValueError, match=why):
+            _register(table, 8, prompt=prompt, pages=pages, skip_pages=skip)
+    assert table.get(8) is None  # a refused registration leaves no room behind
 
 
 def test_unclaimed_rooms_expire(table):

@@ -249,3 +249,40 @@ def test_release_of_everything_returns_the_pool():
     assert_idle(mem)
     assert mem.flush_cache()
     assert mem.allocator.num_free == 16
+
+
+def test_reserve_for_transferred_kv_shares_the_cached_prefix_only_when_asked():
+    """A decode's reservation: with reuse, the cached prefix is pinned and only the rest is fresh
+    (the last page always arrives); when the KV never comes, releasing it leaves that prefix cached
+    and frees only the fresh pages; once it came and the request ended, the rest joins the cache."""
+    mem = KVMemory(num_pages=8, page_size=4, num_slots=3)
+    first = make_request("a", list(range(12)))
+    admit(mem, first)
+    compute(mem, first)
+    cached = list(first.pages[:2])
+    release(mem, first)
+    assert mem.cache.num_pages == 3
+
+    whole = make_request("whole", list(range(12)))
+    assert mem.reserve(whole, whole.prompt_len)
+    assert whole.cached_pages == 0 and not set(whole.pages) & set(mem.cache.held_pages())
+
+    lost = make_request("lost", list(range(12)))
+    assert mem.reserve(lost, lost.prompt_len, reuse_prefix=True)
+    assert lost.pages[:2] == cached and lost.cached_pages == 2 and len(lost.pages) == 3
+    assert lost.pages[2] not in mem.cache.held_pages(), "the last page is the request's own: it arrives"
+    mem.check_integrity()
+    own, free_before = lost.pages[2], mem.allocator.num_free
+    release(mem, lost)  # its KV never came: num_computed still counts the cached prefix only
+    assert set(cached) <= set(mem.cache.held_pages()) and mem.cache.num_pages == 3, "the cached prefix stays"
+    assert mem.allocator.num_free == free_before + 1 and own in mem.allocator._free, "only its own page is freed"
+
+    follow_up = make_request("b", list(range(8)) + [60, 61, 62, 63, 64])
+    assert mem.reserve(follow_up, follow_up.prompt_len, reuse_prefix=True)
+    assert follow_up.pages[:2] == cached and len(follow_up.pages) == 4
+    follow_up.num_computed = follow_up.prompt_len  # its KV arrived (the scheduler's add_prefilled)
+    release(mem, whole)
+    release(mem, follow_up)
+    later = mem.match(make_request("c", list(range(8)) + [60, 61, 62, 63, 64, 99])).pages
+    assert later[:2] == cached and len(later) == 3, "the transferred page joined the cache behind the prefix"
+    assert_idle(mem)
