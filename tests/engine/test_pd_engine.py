@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-
 import torch
 
 from support.checks import assert_engine_clean, assert_matches_reference, cached_prefixes
@@ -131,6 +130,10 @@ def _cached_pages(engine) -> tuple[set[int], dict[int, torch.Tensor]]:
     return engine.call(read)
 
 
+def cached_prefixes_of(engine) -> set[tuple[int, ...]]:
+    return engine.call(lambda: cached_prefixes(engine.memory.cache))
+
+
 @pytest.mark.parametrize("case", ["reuse", "disabled", "old-prefill"])
 def test_decode_gets_only_the_pages_its_prefix_cache_lacks(smollm_fp32, hf_reference, registrations, monkeypatch, case):
     """A shared system prompt, then two users and one user's follow-up turn: with reuse, the decode
@@ -198,10 +201,6 @@ def test_decode_gets_only_the_pages_its_prefix_cache_lacks(smollm_fp32, hf_refer
     finally:
         for e in (p, d):
             e.shutdown()
-
-
-def cached_prefixes_of(engine) -> set[tuple[int, ...]]:
-    return engine.call(lambda: cached_prefixes(engine.memory.cache))
 
 
 def test_decode_reuse_stays_exact_through_retraction_on_the_decode(smollm_fp32, hf_reference):
