@@ -61,6 +61,21 @@ def run_pair(p, d, port, prompt, params=GREEDY, room=None, legs=("prefill", "dec
     return {leg: s.result() for leg, s in streams.items()}
 
 
+def run_pairs(p, d, port, prompts, params=GREEDY) -> list[dict]:
+    """`run_pair` for every prompt at once, each from its own thread; results in prompt order."""
+    results: list = [None] * len(prompts)
+
+    def one(i):
+        results[i] = run_pair(p, d, port, prompts[i], params)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
 def test_pd_outputs_equal_the_reference(pd, hf_reference):
     assert_pd_matches_the_reference(*pd, hf_reference)
 
@@ -81,17 +96,8 @@ def assert_pd_matches_the_reference(p, d, port, hf_reference):
     shared = [rng.randrange(1000, 40000) for _ in range(300)]
     prompts = [shared + [rng.randrange(1000, 40000) for _ in range(n)] for n in (5, 40, 77)]
     prompts += [[rng.randrange(1000, 40000) for _ in range(n)] for n in (1, 16, 17, 1100)]
-    results = [None] * len(prompts)
-
-    def one(i):
-        results[i] = run_pair(p, d, port, prompts[i])
-
-    one(0)  # alone first: the others find the shared prefix in the prefill's cache
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(1, len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    # The first alone: the others find the shared prefix in the prefill's cache.
+    results = [run_pair(p, d, port, prompts[0])] + run_pairs(p, d, port, prompts[1:])
     for prompt, legs in zip(prompts, results):
         want, gaps = hf_reference.greedy(prompt, GREEDY.max_new_tokens)
         assert legs["prefill"].finish_reason in ("length", "stop") and len(legs["prefill"].output_ids) == 1
@@ -158,16 +164,7 @@ def test_decode_gets_only_the_pages_its_prefix_cache_lacks(smollm_fp32, hf_refer
         computed = len(first) + len(turn1.output_ids) - 1  # the last output token has no KV yet
         assert len(cached) == computed // page
 
-        results = [None, None]
-
-        def one(i, prompt):
-            results[i] = run_pair(p, d, port, prompt)["decode"]
-
-        threads = [threading.Thread(target=one, args=(i, prompt)) for i, prompt in enumerate((second, follow_up))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = [legs["decode"] for legs in run_pairs(p, d, port, [second, follow_up])]
         for prompt, out in zip((first, second, follow_up), (turn1, *results)):
             want, gaps = hf_reference.greedy(prompt, GREEDY.max_new_tokens)
             assert_matches_reference(out.output_ids, want, gaps, f"{len(prompt)}-token prompt")
@@ -216,19 +213,9 @@ def test_decode_reuse_stays_exact_through_retraction_on_the_decode(smollm_fp32, 
         prompts = [system + [rng.randrange(1000, 40000) for _ in range(20 + 7 * i)] for i in range(6)]
         run_pair(p, d, port, prompts[0], params)  # the system prompt is in the decode's cache from here on
         _wait_idle(p, d)
-        results = [None] * len(prompts)
-
-        def one(i):
-            results[i] = run_pair(p, d, port, prompts[i], params)["decode"]
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        for prompt, out in zip(prompts, results):
+        for prompt, legs in zip(prompts, run_pairs(p, d, port, prompts, params)):
             want, gaps = hf_reference.greedy(prompt, params.max_new_tokens)
-            assert_matches_reference(out.output_ids, want, gaps, f"{len(prompt)}-token prompt")
+            assert_matches_reference(legs["decode"].output_ids, want, gaps, f"{len(prompt)}-token prompt")
         assert d.call(lambda: d.scheduler.stats.retractions) > 0, "the decode pool was not small enough to retract"
         assert d.snapshot.decode_prefix_hit_tokens >= len(prompts) * 192
         assert_clean(p, d)
