@@ -70,12 +70,18 @@ class KVMemory:
         req.slot = self.slots.acquire(req)
         return True
 
-    def reserve(self, req: Request, num_tokens: int, reuse_prefix: bool = False) -> bool:
+    def reserve(self, req: Request, num_tokens: int, reuse_prefix: bool = False, keep_pages: int = 0) -> bool:
         """Give `req` a slot and pages for positions [0, num_tokens): a decode server's destination
         for transferred KV. With `reuse_prefix`, the longest cached prefix of its prompt (as `match`
         finds it: at least one page left to arrive) is pinned and shared, `req.cached_pages` long,
-        and only the pages after it are fresh; otherwise all are. All or nothing."""
-        return self.admit(req, self.match(req) if reuse_prefix else self.cache.match([]), num_tokens)
+        and only the pages after it are fresh; otherwise all are. Refused when it would leave fewer
+        than `keep_pages` available (a prefix other requests pin already costs nothing). All or
+        nothing."""
+        match = self.match(req) if reuse_prefix else self.cache.match([])
+        cost = self.pages_for(num_tokens) - len(match.pages) + self.cache.unpinned_pages(match.node)
+        if self.available_pages - cost < keep_pages:
+            return False
+        return self.admit(req, match, num_tokens)
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Make `req`'s pages cover positions [0, num_tokens). All or nothing."""

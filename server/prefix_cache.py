@@ -29,6 +29,7 @@ class PrefixCache(ABC):
     """Contract:
     - `match` returns the longest cached page-aligned prefix of `token_ids`; it takes no reference.
     - `lock(node)` pins the node and all its ancestors; `unlock` undoes exactly one `lock`.
+      `unpinned_pages(node)` is what a `lock(node)` now would take out of `num_evictable`.
     - `insert(token_ids, pages)` takes ownership of `pages` for the page-aligned `token_ids`
       (len(token_ids) == len(pages) * page_size). It returns how many leading pages were already
       cached: the caller's pages in that range are duplicates, stay the caller's, and must be freed
@@ -50,6 +51,9 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def unlock(self, node: object) -> None: ...
+
+    @abstractmethod
+    def unpinned_pages(self, node: object) -> int: ...
 
     @abstractmethod
     def evict(self, num_pages: int) -> int: ...
@@ -107,6 +111,9 @@ class ChunkCache(PrefixCache):
 
     def unlock(self, node: object) -> None:
         pass
+
+    def unpinned_pages(self, node: object) -> int:
+        return 0
 
     def evict(self, num_pages: int) -> int:
         return 0
@@ -256,6 +263,13 @@ class RadixCache(PrefixCache):
                 self._num_evictable -= len(node.pages)
             node.lock_ref += 1
             node = node.parent
+
+    def unpinned_pages(self, node: object) -> int:
+        pages = 0
+        while node is not None and node is not self.root:
+            pages += len(node.pages) if node.lock_ref == 0 else 0
+            node = node.parent
+        return pages
 
     def unlock(self, node: object) -> None:
         while node is not None and node is not self.root:

@@ -83,6 +83,7 @@ class Scheduler:
         now = time.monotonic()
         req.status = Status.RUNNING
         req.num_computed = req.prompt_len
+        self.memory.cache_computed(req)  # the prompt's KV is final: later requests may share it from now on
         req.token_ids.append(first_token)
         req.admit_time = req.first_token_time = now
         self.stats.prompt_tokens += req.prompt_len

@@ -7,8 +7,9 @@ batch, with the first token, without a forward pass over the prompt.
 
 Prefix reuse: the reservation pins the longest prefix of the prompt this server's prefix cache
 holds (a shared system prompt, the earlier turns of a conversation), and only the pages after it
-are registered: the prefill sends those alone (`skip_pages`). When the request ends, its pages
-enter the prefix cache like a colocated server's, for the next request with that prefix.
+are registered: the prefill sends those alone (`skip_pages`). Once the KV has arrived, the
+prompt's whole pages enter the prefix cache (the scheduler's `add_prefilled`), and the output's
+when the request ends: the next request with that prefix finds them.
 
 Peers: a `_Peer` is this decode's registration with one prefill *process* (its instance id, read
 at the handshake and in every answer). A new instance at the same address, a refusal that says
@@ -393,10 +394,8 @@ class DecodeConnector(KVConnector):
     def _reserve(self, req: Request, peer: _Peer) -> bool:
         """A slot and pages for the prompt, sharing the prefix our cache holds when the prefill can
         leave it out, and leaving the running requests their output headroom."""
-        headroom = self.memory.pages_for(self._reserved_tokens)
-        if self.memory.available_pages - self.memory.pages_for(req.prompt_len) < headroom:
-            return False  # (a cached prefix would take fewer pages: this errs on the safe side)
-        return self.memory.reserve(req, req.prompt_len, reuse_prefix=self.reuse and peer.skips_pages)
+        return self.memory.reserve(req, req.prompt_len, reuse_prefix=self.reuse and peer.skips_pages,
+                                   keep_pages=self.memory.pages_for(self._reserved_tokens))
 
     def _arrived(self, p: _Pending, record: ArrivalRecord, now: float) -> None:
         req = p.req

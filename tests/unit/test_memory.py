@@ -286,3 +286,30 @@ def test_reserve_for_transferred_kv_shares_the_cached_prefix_only_when_asked():
     later = mem.match(make_request("c", list(range(8)) + [60, 61, 62, 63, 64, 99])).pages
     assert later[:2] == cached and len(later) == 3, "the transferred page joined the cache behind the prefix"
     assert_idle(mem)
+
+
+def test_reserve_counts_what_it_takes_from_the_available_pages():
+    """A reservation's cost: its fresh pages, plus the cached prefix it pins unless something else
+    pins it already. It is refused when it would leave fewer than `keep_pages` available."""
+    mem = KVMemory(num_pages=10, page_size=4, num_slots=4)
+    first = make_request("a", list(range(12)))
+    admit(mem, first)
+    compute(mem, first)  # 3 cached pages, pinned by `first` while it runs
+    assert mem.available_pages == 7
+    twin = make_request("b", list(range(8)) + [70, 71, 72, 73, 74])  # shares 2 pages, needs 2 more
+    assert mem.cache.unpinned_pages(mem.match(twin).node) == 0
+    assert not mem.reserve(twin, twin.prompt_len, reuse_prefix=True, keep_pages=6), "2 fresh pages leave 5"
+    assert twin.slot is None
+    assert mem.reserve(twin, twin.prompt_len, reuse_prefix=True, keep_pages=5)
+    assert mem.available_pages == 5 and twin.cached_pages == 2
+    mem.check_integrity()
+    release(mem, twin)
+    release(mem, first)  # nothing pins the prefix now: pinning it costs its pages too
+    assert mem.available_pages == 10
+    again = make_request("c", list(range(8)) + [70, 71, 72, 73, 74])
+    assert mem.cache.unpinned_pages(mem.match(again).node) == 2
+    assert not mem.reserve(again, again.prompt_len, reuse_prefix=True, keep_pages=7), "2 fresh + 2 pinned leave 6"
+    assert mem.reserve(again, again.prompt_len, reuse_prefix=True, keep_pages=6)
+    assert mem.available_pages == 6
+    release(mem, again)
+    assert_idle(mem)

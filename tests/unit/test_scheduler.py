@@ -436,6 +436,25 @@ def test_prompt_tokens_count_once_per_request_and_arrived_prompts_query_no_cache
     assert sched.stats.prefix_query_tokens == before
 
 
+def test_an_arrived_prompt_is_shared_while_its_request_runs():
+    """A decode's prompt KV is final once it arrived: its whole pages enter the prefix cache then,
+    pinned by the request, so the next request with that prefix finds them before the first ends."""
+    sched, runner = make_scheduler(num_pages=16, page_size=4), FakeRunner(4)
+    arrived = make_request("arrived", list(range(10, 21)), max_new_tokens=8)  # 11 tokens: 2 whole pages
+    assert sched.memory.reserve(arrived, arrived.prompt_len)
+    for pos, token in enumerate(arrived.token_ids):  # the transfer
+        runner.kv[runner.cell(arrived.pages, pos)] = token
+    sched.add_prefilled(arrived, TOKEN)
+    assert arrived.cached_pages == 2 and sched.memory.cache.num_evictable == 0
+    step(sched, runner)
+    follower = make_request("follower", list(range(10, 21)) + [5, 6])
+    sched.add(follower)
+    step(sched, runner)  # the follower's prefill reads the arrived pages (the runner checks their KV)
+    assert follower.cached_pages >= 2 and follower.pages[:2] == arrived.pages[:2]
+    assert sched.stats.prefix_hit_tokens == 8 and arrived.status is Status.RUNNING
+    run_to_completion(sched, runner)
+
+
 # -- aborts ----------------------------------------------------------------------------------------
 def test_abort_from_waiting_running_and_chunked_frees_everything():
     sched = make_scheduler(max_running_requests=2, chunked_prefill_size=8)
