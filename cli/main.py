@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     bcr.add_argument("--output-len", type=int, default=8)
     bcr.add_argument("--concurrency", type=int, default=4)
     bcr.add_argument("--workload-seeds", type=int, nargs="+", default=[1, 2, 3, 4], help="one workload per seed")
+    bcr.add_argument("--pd", action="store_true", help="instead: 1 prefill + 2 decode servers, the decodes picked "
+                     "cache_aware vs power_of_two (what their caches spare in KV transfer)")
     bcr.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     add_arguments(bcr, EngineConfig)
     bcr.set_defaults(func=cmd_bench_cache_routing, max_total_tokens=1536)

@@ -140,7 +140,10 @@ class RouterSpec:
     prefill_policy: str = api_field(
         "cache_aware", "How a prefill server is picked. cache_aware: where the prompt's prefix is cached, as the "
         "servers' KV events tell the router (tandem bench cache-routing), balanced against load.", enum=PREFILL_POLICIES)
-    decode_policy: str = api_field("power_of_two", "How a decode server is picked.", enum=DECODE_POLICIES)
+    decode_policy: str = api_field(
+        "cache_aware", "How a decode server is picked. cache_aware: where the prompt's prefix is cached, so that "
+        "less KV moves from the prefill (decode-side prefix reuse; tandem bench cache-routing --pd).",
+        enum=DECODE_POLICIES)
     service: ServicePort = api_field(ServicePort(), "The client Service.")
     resources: Resources = api_field(Resources(), "Router container resources.")
     extra_args: list[str] = api_field([], "Extra `smg launch` flags.")

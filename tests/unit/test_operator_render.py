@@ -209,12 +209,14 @@ def test_disabled_parts_are_not_rendered():
     assert not any(o["kind"] == "ServiceMonitor" for o in render.render_all(monitored, monitoring_available=False))
 
 
-def test_router_picks_prefill_servers_by_cached_prefix_unless_told_otherwise():
-    """cache_aware: the servers' KV events tell the router where each prefix is cached (measured
-    by `tandem bench cache-routing`); decode servers keep power_of_two."""
+def test_router_picks_servers_by_cached_prefix_unless_told_otherwise():
+    """cache_aware for both pools: the servers' KV events tell the router where each prefix is
+    cached (measured by `tandem bench cache-routing`, and with `--pd` for the decodes, whose cache
+    spares KV transfer)."""
     def policies(inst):
         args = container(by_kind(render.render_all(inst))["Deployment", f"{inst.name}-router"])["args"]
         return args[args.index("--prefill-policy") + 1], args[args.index("--decode-policy") + 1]
 
-    assert policies(instance("minimal")) == ("cache_aware", "power_of_two")
-    assert policies(instance("minimal", router={"prefillPolicy": "round_robin"})) == ("round_robin", "power_of_two")
+    assert policies(instance("minimal")) == ("cache_aware", "cache_aware")
+    assert policies(instance("minimal", router={"prefillPolicy": "round_robin", "decodePolicy": "power_of_two"})) == (
+        "round_robin", "power_of_two")
