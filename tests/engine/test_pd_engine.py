@@ -3,6 +3,7 @@ equal the colocated engine's, and every failure path ends both legs and frees ev
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -17,6 +18,15 @@ from tandem.server.request import Bootstrap
 from tandem.server.sampling_params import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(autouse=True)
+def collect_engines_now():
+    """Engines a test shut down are destroyed as it ends, not in some later test's garbage
+    collection: a Mooncake engine's destructor holds the GIL for ~0.75 s, and several in a row
+    stall that later test's bootstrap calls (same process) past their 5 s timeout."""
+    yield
+    gc.collect()
 
 
 def make_pd(smollm_fp32, prefill=None, decode=None, decode_engine=None, **engine):
