@@ -394,8 +394,12 @@ class DecodeConnector(KVConnector):
     def _reserve(self, req: Request, peer: _Peer) -> bool:
         """A slot and pages for the prompt, sharing the prefix our cache holds when the prefill can
         leave it out, and leaving the running requests their output headroom."""
-        return self.memory.reserve(req, req.prompt_len, reuse_prefix=self.reuse and peer.skips_pages,
+        return self.memory.reserve(req, req.prompt_len, reuse_prefix=self._reuses(peer),
                                    keep_pages=self.memory.pages_for(self._reserved_tokens))
+
+    def _reuses(self, peer: _Peer) -> bool:
+        """Requests for `peer` share the prefix our cache holds (it can leave those pages out)."""
+        return self.reuse and peer.skips_pages
 
     def _arrived(self, p: _Pending, record: ArrivalRecord, now: float) -> None:
         req = p.req
@@ -412,7 +416,7 @@ class DecodeConnector(KVConnector):
             req.output_top_logprobs.append([])  # the prefill sends the chosen token's logprob only
         self.counters["kv_transfer_bytes"] += len(arrived) * self.kv_bytes_per_page
         self.counters["kv_transfer_skipped_bytes"] += req.cached_pages * self.kv_bytes_per_page
-        if self.reuse and p.peer.skips_pages:  # its prompt was looked up in the prefix cache
+        if self._reuses(p.peer):  # its prompt was looked up in the prefix cache
             self.counters["decode_prefix_query_tokens"] += req.prompt_len
             self.counters["decode_prefix_hit_tokens"] += req.cached_pages * self.memory.page_size
         self.on_transfer(now - p.registered_at)
