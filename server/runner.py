@@ -20,6 +20,7 @@ import torch
 from tandem.kernels.attention import AttentionBackend, AttentionBatch, create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.sampling import SamplingRow, sample
+from tandem.server.grammar import Matcher, token_bitmask
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.plan import FUTURE_TOKEN, StepOutput, StepPlan
 
@@ -73,6 +74,7 @@ class PreparedStep:
     samples: list[tuple[int, int, str]]  # (seq index, row of the hidden states, rid) per sequence that samples
     rows: list[SamplingRow]  # aligned with `samples`; a history ending in FUTURE_TOKEN is filled in too
     num_seqs: int
+    grammars: list[Matcher | None]  # aligned with `samples`: the constrained requests' grammar states
 
 
 class ModelRunner:
@@ -92,7 +94,7 @@ class ModelRunner:
     @staticmethod
     def prepare(plan: StepPlan) -> PreparedStep:
         inputs = ForwardInputs.of(plan)
-        futures, samples, rows = [], [], []
+        futures, samples, rows, grammars = [], [], [], []
         end = 0
         for i, seq in enumerate(plan.seqs):
             end += len(seq.token_ids)
@@ -102,7 +104,8 @@ class ModelRunner:
                 samples.append((i, end - 1, seq.rid))
                 history = seq.history[: seq.start_pos] + seq.token_ids if seq.params.has_penalties else None
                 rows.append(SamplingRow(seq.params, seq.seed, history, seq.prompt_len))
-        return PreparedStep(inputs, futures, samples, rows, len(plan.seqs))
+                grammars.append(seq.grammar)
+        return PreparedStep(inputs, futures, samples, rows, len(plan.seqs), grammars)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepOutput:
@@ -123,7 +126,15 @@ class ModelRunner:
             return StepOutput(next_tokens)
         logits = self.model.logits(hidden[torch.tensor([r for _, r, _ in step.samples], device=self.device)])
         want_lp, num_top = any(r.params.logprobs for r in step.rows), max(r.params.top_logprobs for r in step.rows)
-        ids, lps, tops = sample(logits, step.rows, num_top, want_lp)
+        # A terminated grammar's request ended at the update before this step; its sample is dropped.
+        constrained = [j for j, g in enumerate(step.grammars) if g is not None and not g.terminated]
+        masked = None
+        if constrained:
+            masked = constrained, token_bitmask([step.grammars[j] for j in constrained], logits.shape[1])
+        ids, lps, tops = sample(logits, step.rows, num_top, want_lp, masked)
+        for j in constrained:
+            if not step.grammars[j].accept(ids[j]):
+                raise RuntimeError(f"request {step.samples[j][2]} sampled token {ids[j]}, which its grammar forbids")
         logprobs: list[float | None] = [None] * step.num_seqs if want_lp else []
         top_logprobs: list = [None] * step.num_seqs if num_top else []
         for j, ((i, _, rid), row) in enumerate(zip(step.samples, step.rows)):

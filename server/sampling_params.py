@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from tandem.common.options import opt
+
+CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf_grammar", "structural_tag")
 
 
 def _is_int(value) -> bool:
@@ -23,6 +26,15 @@ class InvalidRequestError(ValueError):
 class CapacityError(InvalidRequestError):
     """The request is well-formed but exceeds what this server can hold: its KV pool, or its
     queue. Servers answer RESOURCE_EXHAUSTED (HTTP 429) rather than INVALID_ARGUMENT."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: the grammar every output must match (`tandem.server.grammar`), as text.
+    `kind` names the field it came in (the gRPC oneof's names)."""
+
+    kind: Literal["regex", "json_schema", "ebnf_grammar", "structural_tag"]
+    text: str
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,8 @@ class SamplingParams:
     ignore_eos: bool = opt(False, "keep generating past the model's end-of-sequence tokens")
     logprobs: bool = opt(False, "return each output token's logprob")
     top_logprobs: int = opt(0, "with --logprobs, also return this many most likely alternatives per token")
+    # Set by the API layers; the command line has --json-schema FILE / --regex / --ebnf-grammar FILE.
+    constraint: Constraint | None = opt(None, "structured output: the grammar the output must match", cli=False)
 
     @property
     def has_penalties(self) -> bool:
@@ -85,3 +99,9 @@ class SamplingParams:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty, got {text!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
             raise InvalidRequestError("top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")
+        c = self.constraint
+        if c is not None:
+            if c.kind not in CONSTRAINT_KINDS:
+                raise InvalidRequestError("constraint", f"kind {c.kind!r} is none of {', '.join(CONSTRAINT_KINDS)}")
+            if not isinstance(c.text, str) or not c.text.strip():
+                raise InvalidRequestError(c.kind, "must not be empty")

@@ -88,6 +88,10 @@ class Scheduler:
         req.admit_time = req.first_token_time = now
         self.stats.prompt_tokens += req.prompt_len
         self.running.append(req)
+        if req.grammar is not None and not req.grammar.accept(first_token):
+            self._finish(req, Finish("abort", message=f"the prefill's first token {first_token} breaks the request's "
+                                                      "constraint", code="internal"))
+            return
         finish = self._stop_reason(req, first_token)
         if finish is not None:
             self._finish(req, finish)
@@ -284,6 +288,7 @@ class Scheduler:
             history=req.token_ids,
             prompt_len=req.prompt_len,
             seed=(req.sampling_seed * 1_000_003 + req.num_output) % (1 << 63),
+            grammar=req.grammar,
         )
 
     # -- update -----------------------------------------------------------------------------------
@@ -329,7 +334,8 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(req: Request, token: int) -> Finish | None:
-        if token in req.eos_ids and not req.params.ignore_eos:
+        # A constrained request's grammar allows an EOS only once it is complete, and nothing after.
+        if token in req.eos_ids and (not req.params.ignore_eos or req.grammar is not None):
             return Finish("stop", matched=token)
         if token in req.params.stop_token_ids:
             return Finish("stop", matched=token)

@@ -159,6 +159,9 @@ def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, to
         "pp_size": 1,
         "is_embedding": False,
         "vocab_size": engine.model.config.vocab_size,
+        # SGLang's name for what compiles sampling_params.constraint (the protocol has no field of
+        # its own for structured output).
+        "grammar_backend": "xgrammar",
     }
 
 
