@@ -72,6 +72,7 @@ def cmd_generate(args) -> int:
     from tandem.server.sampling_params import InvalidRequestError
 
     prompts = _read_prompts(args)
+    params = _sampling_params(args)
     try:
         engine = Engine(from_args(args, EngineConfig))
     except (ModelLoadError, ValueError) as e:
@@ -83,7 +84,6 @@ def cmd_generate(args) -> int:
                 engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                 for p in prompts
             ]
-        params = _sampling_params(args)
         try:
             ids = [engine.tokenizer.encode(p) if p else [] for p in prompts]
             streams = [engine.submit(i, params) for i in ids]

@@ -21,8 +21,9 @@ from smg_grpc_proto.generated import common_pb2
 
 from support.checks import assert_matches_reference
 from support.serving import ServerProcess, metric_value
+from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
 from tandem.tools.client import Client, request_message
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.sampling_params import Constraint, SamplingParams
 
 POOL = 6144
 
@@ -161,7 +162,11 @@ BAD = [
     ("n", lambda m: setattr(m.sampling_params, "n", 1000), "sampling_params.n"),
     ("top_logprobs_num", lambda m: setattr(m, "top_logprobs_num", -3), "top_logprobs_num"),
     ("request_id", lambda m: setattr(m, "request_id", ""), "request_id"),
-    ("constraint", lambda m: setattr(m.sampling_params, "regex", "a+"), "constraint"),
+    ("regex", lambda m: setattr(m.sampling_params, "regex", "(a"), "regex: does not compile"),
+    ("json_schema", lambda m: setattr(m.sampling_params, "json_schema", '{"type": 1}'), "json_schema: does not compile"),
+    ("json_schema not JSON", lambda m: setattr(m.sampling_params, "json_schema", "{'a'}"), "json_schema: is not valid JSON"),
+    ("ebnf_grammar", lambda m: setattr(m.sampling_params, "ebnf_grammar", "root ::= ("), "ebnf_grammar: does not compile"),
+    ("structural_tag", lambda m: setattr(m.sampling_params, "structural_tag", "[]"), "structural_tag: does not compile"),
 ]
 
 
@@ -174,6 +179,46 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, case, mutate, fiel
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     wait_idle(stub)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_constrained_output_over_grpc(client, stub, smollm_fp32, temperature):
+    """Every schema and regex as sampling_params.json_schema / .regex, all at once (sampled ones with
+    the server's seeds: the wire has none)."""
+    tok = smollm_fp32.tokenizer
+    cases = [(what, Constraint("json_schema", json.dumps(schema)), schema) for what, schema in SCHEMAS]
+    cases += [(what, Constraint("regex", pattern), pattern) for what, pattern in REGEXES]
+    results: dict[int, object] = {}
+
+    def one(i):
+        params = SamplingParams(max_new_tokens=200, temperature=temperature, constraint=cases[i][1])
+        results[i] = client.stream(request_message(tok.encode(chat_prompt(tok, cases[i][0])), params))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, (what, constraint, spec) in enumerate(cases):
+        assert results[i].finish_reason == "stop", what
+        text = tok.decode(results[i].output_ids, skip_special_tokens=True)
+        if constraint.kind == "regex":
+            assert_full_match(text, spec, what)
+        else:
+            assert_valid_json(text, spec, what)
+    wait_idle(stub)
+
+
+def test_client_cli_takes_a_regex(server):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tandem.cli.main", "client", "generate", "--target", server.target, "--chat",
+           "--prompt", "What time is it?", "--regex", r"([01]\d|2[0-3]):[0-5]\d", "--max-new-tokens", "20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert_full_match(proc.stdout.strip(), r"([01]\d|2[0-3]):[0-5]\d", "client --regex")
+    assert ", stop; TTFT" in proc.stderr
 
 
 def test_request_that_cannot_fit_is_resource_exhausted(stub):
@@ -195,6 +240,7 @@ def test_health_and_info(server, stub):
     assert (info.tokenizer_path and json.loads(open(f"{info.tokenizer_path}/tokenizer.json").read()))
     args = stub.GetServerInfo(pb.GetServerInfoRequest()).server_args
     assert args["page_size"] == 16 and args["disaggregation_mode"] == "null" and args["max_total_tokens"] == POOL
+    assert args["grammar_backend"] == "xgrammar"  # structured output (the protocol has no field of its own)
     load = stub.GetLoads(pb.GetLoadsRequest(include=["all"]))
     assert load.dp_rank_count == 1 and load.loads[0].max_total_num_tokens == POOL
 

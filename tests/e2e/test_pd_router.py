@@ -18,6 +18,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from support.checks import assert_matches_reference
 from support.serving import PDStack, RouterProcess, assert_all_freed, free_port, metric_value
+from support.structured import SCHEMAS, chat_completions_json
 from tandem.tools.stack import ROUTER_PD_ARGS
 
 NEW_TOKENS = 12
@@ -93,6 +94,13 @@ def test_two_by_two_serves_forty_concurrent_requests(stack, hf_reference):
     after = [metric_value(s.metrics_text(), "tandem_requests_finished_total") for s in stack.servers]
     assert all(a > b for a, b in zip(after, before)), "every server took part"
     assert sum(a - b for a, b in zip(after[:2], before[:2])) == 40  # each request prefilled once
+    assert_all_freed(stack.servers)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_response_format_json_schema_through_the_pair(stack, temperature):
+    """The prefill samples the first token under the schema, the decode the rest."""
+    chat_completions_json(stack.two_by_two.post, SCHEMAS, temperature)
     assert_all_freed(stack.servers)
 
 

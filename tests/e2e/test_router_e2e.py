@@ -14,6 +14,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from support.serving import RouterProcess, ServerProcess, http_post
+from support.structured import SCHEMAS, chat_completions_json
 from tandem.server.sampling_params import SamplingParams
 
 POOL = 4096
@@ -95,6 +96,24 @@ def test_bad_request_is_400_with_the_server_message(stack, bad, message):
     base, _ = stack
     status, body = post(base, "/v1/chat/completions", {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **bad})
     assert status == 400 and message in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_response_format_json_schema(stack, temperature):
+    """OpenAI's structured output: smg turns response_format into sampling_params.json_schema."""
+    base, server = stack
+    chat_completions_json(lambda path, body: post(base, path, body), SCHEMAS, temperature)
+    with grpc.insecure_channel(server.target) as channel:
+        load = pb_grpc.SglangSchedulerStub(channel).GetLoads(pb.GetLoadsRequest()).loads[0]
+    assert load.num_running_reqs == load.num_waiting_reqs == load.num_used_tokens == 0
+
+
+def test_an_unsupported_schema_is_400_naming_the_field(stack):
+    base, _ = stack
+    status, body = post(base, "/v1/chat/completions", {
+        "model": "smollm2", "messages": QUESTION, "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "matrix"}}}})
+    assert status == 400 and "json_schema: does not compile" in json.loads(body)["error"]["message"], body
 
 
 def test_request_that_cannot_fit_is_429_or_503(stack):

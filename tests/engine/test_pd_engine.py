@@ -4,6 +4,7 @@ equal the colocated engine's, and every failure path ends both legs and frees ev
 from __future__ import annotations
 
 import gc
+import json
 import random
 import threading
 import time
@@ -13,9 +14,10 @@ import torch
 
 from support.checks import assert_engine_clean, assert_matches_reference, cached_prefixes
 from support.serving import free_port
+from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
 from tandem.server.config import DisaggConfig, EngineConfig
 from tandem.server.request import Bootstrap
-from tandem.server.sampling_params import InvalidRequestError, SamplingParams
+from tandem.server.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -283,6 +285,51 @@ def test_abort_while_decoding_frees_both_sides(pd):
     ds.abort()
     rest = ds.result()
     assert rest.finish_reason == "abort" and rest.error_code is None  # a client abort, not a failure
+    assert_clean(p, d)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_constrained_requests_through_a_pair(pd, temperature):
+    """The prefill samples the first token under the grammar; the decode resumes from it."""
+    p, d, port = pd
+    cases = [(what, Constraint("json_schema", json.dumps(schema)), schema) for what, schema in SCHEMAS[:6]]
+    cases += [(what, Constraint("regex", pattern), pattern) for what, pattern in REGEXES[:4]]
+    prompts = [p.tokenizer.encode(chat_prompt(p.tokenizer, what)) for what, _, _ in cases]
+    results: list = [None] * len(cases)
+
+    def one(i):
+        params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=i, constraint=cases[i][1])
+        results[i] = run_pair(p, d, port, prompts[i], params)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for (what, constraint, spec), legs in zip(cases, results):
+        out = legs["decode"]
+        assert out.finish_reason == "stop" and legs["prefill"].output_ids == out.output_ids[:1], what
+        if constraint.kind == "regex":
+            assert_full_match(out.text, spec, what)
+        else:
+            assert_valid_json(out.text, spec, what)
+    assert_clean(p, d)
+
+
+def test_a_first_token_that_breaks_the_decodes_constraint_fails_the_request(pd):
+    """Legs that disagree on the constraint: the decode cannot resume its grammar from the prefill's
+    token, so the request fails there, and both sides free what it held."""
+    p, d, port = pd
+    b = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
+    prompt = list(range(400, 460))
+    ps = p.submit(prompt, SamplingParams(max_new_tokens=8, temperature=0.0, constraint=Constraint("regex", "yes")),
+                  bootstrap=b)
+    ds = d.submit(prompt, SamplingParams(max_new_tokens=8, temperature=0.0, constraint=Constraint("regex", "no")),
+                  bootstrap=b)
+    first = ps.result().text
+    assert first and "yes".startswith(first)
+    out = ds.result()
+    assert out.finish_reason == "abort" and out.error_code == "internal" and "breaks the request's constraint" in out.error
     assert_clean(p, d)
 
 

@@ -109,3 +109,30 @@ def assert_valid_json(text: str, schema: dict, label: str = "") -> None:
 
 def assert_full_match(text: str, pattern: str, label: str = "") -> None:
     assert re.fullmatch(pattern, text), f"{label}: output {text!r} does not match {pattern!r}"
+
+
+def chat_completions_json(post, cases, temperature: float, max_tokens: int = 200) -> None:
+    """`post(path, body) -> (status, text)` each (what, schema) to a router as /v1/chat/completions
+    with response_format json_schema, all at once; every reply must be JSON valid against its schema."""
+    import threading
+
+    replies: dict[int, tuple[int, str]] = {}
+
+    def one(i):
+        what, schema = cases[i]
+        replies[i] = post("/v1/chat/completions", {
+            "model": "smollm2", "messages": [{"role": "user", "content": f"Answer with {what}."}],
+            "max_tokens": max_tokens, "temperature": temperature,
+            "response_format": {"type": "json_schema", "json_schema": {"name": f"case{i}", "schema": schema}}})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, (what, schema) in enumerate(cases):
+        status, body = replies[i]
+        assert status == 200, body
+        choice = json.loads(body)["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        assert_valid_json(choice["message"]["content"], schema, what)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tandem.kernels.sampling import SamplingRow, apply_penalties, sample
-from tandem.server.sampling_params import InvalidRequestError, SamplingParams
+from tandem.kernels.sampling import SamplingRow, apply_penalties, apply_token_bitmask, sample
+from tandem.server.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 VOCAB = 32
 
@@ -213,3 +213,58 @@ def test_sampling_params_cross_the_grpc_wire_unchanged(params):
 
     message = request_message([1, 2, 3], params)
     assert to_sampling_params(message.sampling_params, message) == params
+
+
+def packed(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """Bitmask rows (xgrammar's layout: bit j of int32 word w allows token 32 * w + j)."""
+    words = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int64)
+    for r, tokens in enumerate(allowed):
+        for t in tokens:
+            words[r, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # two's complement
+
+
+def test_token_bitmask_masks_only_its_rows():
+    vocab = 70  # three words, the last one partly used; token 31 is a sign bit
+    logits = torch.randn(4, vocab)
+    masked = logits.clone()
+    apply_token_bitmask(masked, [1, 3], packed([[0, 31, 69], [32, 63]], vocab))
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])  # unconstrained rows untouched
+    for r, allowed in [(1, {0, 31, 69}), (3, {32, 63})]:
+        assert {t for t in range(vocab) if masked[r, t] != float("-inf")} == allowed
+        assert torch.equal(masked[r, sorted(allowed)], logits[r, sorted(allowed)])
+
+
+def test_token_bitmask_matches_xgrammar_own_kernel():
+    import xgrammar
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (5, -(-vocab // 32)), dtype=torch.int64, generator=gen).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_token_bitmask(ours, [0, 2, 4], bitmask[[0, 2, 4]])  # ours: one bitmask row per masked row
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, indices=[0, 2, 4])
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.5, top_k=5, top_p=0.9, min_p=0.05),
+                                    dict(temperature=1.0, repetition_penalty=2.0, frequency_penalty=1.0)],
+                         ids=["greedy", "filtered", "penalties"])
+def test_masked_rows_draw_only_allowed_tokens(params):
+    allowed = [17, 25, 30]  # among the least likely tokens of the row
+    base = torch.arange(VOCAB, dtype=torch.float32).flip(0)
+    rows = [row(seed=s, history=[3, 17, 5, 6] if "repetition_penalty" in params else None, prompt_len=2, **params)
+            for s in range(40)]
+    ids, _, _ = sample(base.expand(40, -1).clone(), rows, masked=(list(range(40)), packed([allowed] * 40, VOCAB)))
+    assert set(ids) <= set(allowed)
+    free, _, _ = sample(base.expand(40, -1).clone(), rows)
+    assert not set(free) & set(allowed)  # unmasked, these rows never pick them
+
+
+def test_constraint_validation_names_the_field():
+    with pytest.raises(InvalidRequestError, match="regex: must not be empty"):
+        SamplingParams(constraint=Constraint("regex", "")).validate(VOCAB)
+    with pytest.raises(InvalidRequestError, match="constraint: kind 'grammar' is none of"):
+        SamplingParams(constraint=Constraint("grammar", "x")).validate(VOCAB)
+    SamplingParams(constraint=Constraint("json_schema", "{}")).validate(VOCAB)
