@@ -169,6 +169,12 @@ def cmd_bench_pd(args) -> int:
     return run(args, engine_args)
 
 
+def cmd_bench_structured(args) -> int:
+    from tandem.tools.bench_structured import run
+
+    return run(args, changed_engine_flags(args))
+
+
 def cmd_bench_kv_transfer(args) -> int:
     from tandem.tools.bench_kv_transfer import run
 
@@ -310,6 +316,20 @@ def build_parser() -> argparse.ArgumentParser:
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)
+
+    bst = bench_sub.add_parser("structured", help="the serve workload with every other request constrained by a JSON "
+                               "schema vs none, alternating rounds on one server; and the schema's compile times")
+    bst.add_argument("--num-requests", type=int, default=32)
+    bst.add_argument("--concurrency", type=int, default=8)
+    bst.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    bst.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    bst.add_argument("--workload-seed", type=int, default=1)
+    bst.add_argument("--rounds", type=int, default=2, help="rounds of each arm, alternated")
+    bst.add_argument("--json-schema", metavar="FILE", help="the constraint (default: 40 records, longer than any "
+                     "output, so no constrained request ends early)")
+    bst.add_argument("--log-dir", help="the server's log (default: a new temporary directory)")
+    add_arguments(bst, EngineConfig)
+    bst.set_defaults(func=cmd_bench_structured)
 
     bcr = bench_sub.add_parser("cache-routing", help="smg's cache-aware policy over two colocated servers, told "
                                "where prefixes are cached (KV events) vs guessing, on a shared-system-prompt workload")

@@ -451,6 +451,9 @@ class Engine:
             requests_finished=self.outputs.finished,
             requests_aborted=self.outputs.aborted,
             forward_steps=sched.stats.forward_steps,
+            grammar_compiles=self.grammars.stats.compiled,
+            grammar_cache_hits=self.grammars.stats.cache_hits,
+            grammar_compile_seconds=self.grammars.stats.seconds,
             **self.connector.stats(),
             **self._kv_event_stats(),
         )

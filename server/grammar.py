@@ -86,6 +86,10 @@ class GrammarCompiler:
         self._compiler = None
         self._seen: set[Constraint] = set()
 
+    def prepare(self) -> None:
+        """Read the tokenizer's vocabulary now rather than on the first constrained request."""
+        self._xgrammar_compiler()
+
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar; raises InvalidRequestError."""
         import xgrammar

@@ -41,6 +41,10 @@ class EngineSnapshot:
     peer_handshakes: int = 0  # decode: handshakes made with prefill processes; prefill: decode peers registered
     peer_rehandshakes: int = 0  # of those, with a new process at an address that had another (a restart)
     peers_offline: int = 0  # decode: prefill peers marked offline (missed heartbeats, unreachable)
+    # structured output
+    grammar_compiles: int = 0  # constraints compiled (cache misses)
+    grammar_cache_hits: int = 0  # constraints found compiled already (by their text)
+    grammar_compile_seconds: float = 0.0  # time the compiles took
     # KV events (SubscribeKvEvents)
     kv_event_batches: int = 0  # batches published (one per step that changed the prefix cache)
     kv_events: int = 0  # events in them: stored, removed, all-cleared

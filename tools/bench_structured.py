@@ -1,0 +1,106 @@
+"""`tandem bench structured`: what structured output costs a server. One `tandem serve`, the serve
+workload (`tandem bench serve`'s) run in alternating rounds over gRPC: every request free, then
+every other request constrained by a JSON schema. Prints one JSON line per round, then the ratios
+of the means, and the schema's compile times (the tokenizer's vocabulary read once, a first
+compile, a cached one), measured in this process on the same tokenizer.
+
+Every request is greedy and asks for exactly its drawn output length (`ignore_eos`). The default
+schema asks for 40 records, more than any output length here allows, so a constrained request never
+completes its grammar early and both arms generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tandem.server.sampling_params import Constraint, SamplingParams
+from tandem.tools.bench_offline import make_workload
+from tandem.tools.bench_serve import Sample, drive
+
+RECORDS = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 40, "maxItems": 40, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                       "name": {"type": "string", "maxLength": 16},
+                       "tags": {"type": "array", "items": {"enum": ["new", "sale", "gift"]}, "maxItems": 3},
+                       "price": {"type": "number", "minimum": 0}},
+        "required": ["id", "name", "tags", "price"]}}},
+    "required": ["records"],
+}
+ARMS = ("none", "half")
+
+
+def compile_times(tokenizer, vocab_size: int, eos: frozenset[int], schema: str) -> dict:
+    """Milliseconds: reading the tokenizer's vocabulary, the first compile of `schema`, a cached one."""
+    from tandem.server.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos, timeout=600)
+    start = time.perf_counter()
+    compiler.prepare()
+    vocab = time.perf_counter() - start
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        compiler.matcher(Constraint("json_schema", schema))
+        times.append(time.perf_counter() - start)
+    compiler.close()
+    return {"tokenizer_info_ms": round(vocab * 1e3, 1), "first_compile_ms": round(times[0] * 1e3, 2),
+            "cached_compile_ms": round(times[1] * 1e3, 3)}
+
+
+def run(args, engine_args: list[str]) -> int:
+    from smg_grpc_proto import sglang_scheduler_pb2 as pb
+
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.tokenizer import load_tokenizer
+    from tandem.tools.client import Client, request_message
+    from tandem.tools.stack import LocalStack
+
+    schema = Path(args.json_schema).read_text() if args.json_schema else json.dumps(RECORDS)
+    constraint = Constraint("json_schema", schema)
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+    source = resolve_model(args.model)
+    tokenizer = load_tokenizer(source)
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-structured-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    with LocalStack(logs, tuple(engine_args)) as stack:
+        server = stack.start_server("colocated")
+        stack.wait()
+        client = Client(server.target)
+        info = client.stub.GetModelInfo(pb.GetModelInfoRequest())
+
+        def run_one(prompt: list[int], n: int, constrained: bool) -> Sample:
+            params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True,
+                                    constraint=constraint if constrained else None)
+            result = client.stream(request_message(prompt, params))
+            return Sample(len(result.output_ids), result.ttft or result.latency, result.latency)
+
+        # Warm-up: the workload's prompts with short outputs, half constrained (the server's one
+        # compile of the schema), counted in no round.
+        drive(lambda p, n, c: run_one(p, n, c), [(p, 8, i % 2 == 1) for i, (p, _) in enumerate(work)], args.concurrency)
+        for round_ in range(args.rounds):
+            for arm in ARMS if round_ % 2 == 0 else ARMS[::-1]:  # none, half, half, none, ...: drift cancels
+                arm_work = [(p, n, arm == "half" and i % 2 == 1) for i, (p, n) in enumerate(work)]
+                result = {"bench": "structured", "arm": arm, "round": round_,
+                          **drive(lambda p, n, c: run_one(p, n, c), arm_work, args.concurrency)}
+                results[arm].append(result)
+                print(json.dumps(result), flush=True)
+        client.close()
+    mean = {arm: {k: statistics.mean(r[k] for r in rs) for k in ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_ms")}
+            for arm, rs in results.items()}
+    none, half = mean["none"], mean["half"]
+    print(json.dumps({
+        "bench": "structured", "arm": "summary", "rounds": args.rounds,
+        "output_tokens_none": results["none"][0]["output_tokens"], "output_tokens_half": results["half"][0]["output_tokens"],
+        "throughput_half_over_none": round(half["output_tokens_per_s"] / none["output_tokens_per_s"], 3),
+        "ttft_p50_half_over_none": round(half["ttft_p50_s"] / none["ttft_p50_s"], 3),
+        "tpot_p50_half_over_none": round(half["tpot_p50_ms"] / none["tpot_p50_ms"], 3),
+        **compile_times(tokenizer, info.vocab_size, frozenset(info.eos_token_ids), schema),
+    }))
+    return 0
