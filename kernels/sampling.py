@@ -60,8 +60,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """In place: -inf for every token of logits row rows[i] that bitmask row i does not allow.
     bitmask: [len(rows), ceil(V / 32)] int32, bit j of word w allowing token 32 * w + j."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]].to(logits.device)
+    bitmask = bitmask.to(logits.device)  # packed: 1/32 of the bytes the unpacked mask would move
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 

@@ -234,6 +234,16 @@ def overview() -> dict:
                     (sum_by((), rate("tandem_kv_transfer_failures_total", f)), "KV transfer failures"),
                     (sum_by((), rate("tandem_bootstrap_failures_total", f)), "bootstrap failures"),
                     (sum_by((), rate("tandem_retractions_total", f)), "retractions")], unit="ops", width=24),
+        row("Structured output"),
+        timeseries("Grammar compiles", "Constraints (JSON schemas, regexes, grammars) compiled per second, and "
+                   "those found compiled already (cached by their text), by role.",
+                   [(sum_by(by_role, rate("tandem_grammar_compiles_total", f)), f"compiled {legend('role')}"),
+                    (sum_by(by_role, rate("tandem_grammar_cache_hits_total", f)), f"cached {legend('role')}")],
+                   unit="ops"),
+        timeseries("Grammar compile time", "Mean time to compile a constraint, by role (requests wait for it "
+                   "before they queue).",
+                   [(f'{sum_by(by_role, rate("tandem_grammar_compile_seconds_total", f))} / '
+                     f'{sum_by(by_role, rate("tandem_grammar_compiles_total", f))}', legend("role"))], unit="s"),
     ]
     return dashboard("tandem-overview", "tandem / Overview",
                      "Traffic, latency and errors of every tandem server.", server_variables(), panels)

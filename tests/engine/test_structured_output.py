@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
+from tandem.server.grammar import GrammarCompiler
 from tandem.server.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 GREEDY, SAMPLED = dict(temperature=0.0), dict(temperature=1.0, seed=7)
@@ -141,6 +143,31 @@ def test_bad_constraints_are_refused_with_their_field(make_engine, constraint, f
     # The engine serves on: a good constraint right after.
     out = engine.submit("hello", SamplingParams(max_new_tokens=8, constraint=Constraint("regex", "(yes|no)"))).result()
     assert out.text in ("yes", "no")
+
+
+def test_the_loop_serves_others_while_a_grammar_compiles(make_engine, monkeypatch):
+    """Compiling happens on the submitting thread: held there, it keeps no one else waiting."""
+    engine = make_engine()
+    entered, release = threading.Event(), threading.Event()
+    compile_now = GrammarCompiler._call
+
+    def held(compiler, constraint):
+        entered.set()
+        release.wait(60)
+        return compile_now(compiler, constraint)
+
+    monkeypatch.setattr(GrammarCompiler, "_call", staticmethod(held))
+    free = engine.submit("Once upon a time", SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    box = {}
+    submitting = threading.Thread(target=lambda: box.update(stream=engine.submit("Is it?", SamplingParams(
+        max_new_tokens=8, constraint=Constraint("regex", "(yes|no)"), **GREEDY))))
+    submitting.start()
+    assert entered.wait(30)
+    assert free.result().finish_reason == "length"  # the whole request ran while the compile was held
+    assert submitting.is_alive()
+    release.set()
+    submitting.join(60)
+    assert box["stream"].result().text in ("yes", "no")
 
 
 def test_compiling_past_the_time_limit_is_refused(make_engine):

@@ -188,6 +188,8 @@ PROMISED = {
         "End-to-end request latency": {"tandem_e2e_request_latency_seconds_bucket"},
         "Errors": {"tandem_requests_aborted_total", "tandem_kv_transfer_failures_total",
                    "tandem_bootstrap_failures_total", "tandem_retractions_total"},
+        "Grammar compiles": {"tandem_grammar_compiles_total", "tandem_grammar_cache_hits_total"},
+        "Grammar compile time": {"tandem_grammar_compile_seconds_total", "tandem_grammar_compiles_total"},
     },
     "tandem-pd.json": {
         "Waiting requests": {"tandem_num_requests_waiting"},
