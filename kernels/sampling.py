@@ -1,9 +1,10 @@
 """Token sampling over a batch of logits rows.
 
 Order per row: penalties on the raw logits, then the row's allowed-token mask (structured output),
-then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Each draw uses its own generator seeded by the caller, so a request's output
-depends only on its seed and position, never on what it was batched with. Logprobs, when asked,
-are log-softmax of the raw logits (before penalties and temperature).
+then greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. Each draw uses its own
+generator seeded by the caller, so a request's output depends only on its seed and position, never
+on what it was batched with. Logprobs, when asked, are log-softmax of the raw logits (before
+penalties, mask and temperature).
 """
 
 from __future__ import annotations

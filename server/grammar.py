@@ -136,11 +136,11 @@ class GrammarCompiler:
             return compiler.compile_grammar(text)
         if constraint.kind == "json_schema":
             try:
-                json.loads(text)
+                schema = json.loads(text)
             except ValueError as e:
                 raise InvalidRequestError("json_schema", f"is not valid JSON: {e}") from None
             # Compact JSON: free whitespace lets a small model pad its output with newlines forever.
-            return compiler.compile_json_schema(text, any_whitespace=False)
+            return compiler.compile_json_schema(json.dumps(_bounded_strings_as_patterns(schema)), any_whitespace=False)
         return compiler.compile_structural_tag(*_structural_tag(text))
 
     def _xgrammar_compiler(self):
@@ -156,6 +156,31 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# A JSON string's characters, unescaped: anything but a quote, a backslash or a control character.
+_PLAIN_CHARACTER = r'[^"\\\x00-\x1f]'
+
+
+def _bounded_strings_as_patterns(schema):
+    """`schema` with each string's minLength/maxLength written as the equivalent pattern. xgrammar
+    0.2.8 turns a length-bounded string into a repetition of any character but a quote, a backslash,
+    CR or LF: raw control characters (a tab, a form feed) get in, and no JSON parser accepts them
+    inside a string (seen on a GPU run: a form feed in a `maxLength` string). A pattern keeps to the
+    character class it gives. Escapes are excluded either way. A string that already has a pattern
+    or a format is left as it is."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings_as_patterns(v) for k, v in schema.items()}
+    types = out.get("type")
+    is_string = types == "string" or (isinstance(types, list) and "string" in types)
+    bounded = "minLength" in out or "maxLength" in out
+    if is_string and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^{_PLAIN_CHARACTER}{{{low},{high}}}$"
+    return out
 
 
 def _structural_tag(text: str) -> tuple:

@@ -5,6 +5,11 @@ that the pass needs, so the scheduler may go on changing its requests once it re
 does the torch work. Under overlap scheduling they run on different threads, and `run` fills in
 each FUTURE_TOKEN with what the step before sampled for that request.
 
+Structured output: before sampling, `run` masks each constrained request's logits row with what its
+grammar allows next (`tandem.server.grammar`), and after, advances its matcher by the token drawn.
+Steps run one after another on one thread, so a step always sees its requests' matchers advanced
+by the step before.
+
 With tensor parallelism the runner is rank 0's: each forward pass's `ForwardInputs` go to the
 other ranks (`peers`) first, every rank runs `forward_pass` over its heads, and rank 0 alone
 computes logits and samples.

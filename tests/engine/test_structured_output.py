@@ -234,3 +234,29 @@ def test_cli_generate_with_a_json_schema_file_and_a_regex(tmp_path):
     assert missing.returncode != 0 and "--json-schema" in missing.stderr and "none.json" in missing.stderr
     bad = subprocess.run(base + ["--prompt", "x", "--regex", "(a"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "regex: does not compile" in bad.stderr
+
+
+def test_length_bounded_strings_admit_no_control_characters(make_engine):
+    """xgrammar 0.2.8 lets raw control characters into strings with minLength/maxLength (the
+    compiler rewrites those bounds as a pattern). When xgrammar's own rule is fixed, the first
+    assertion fails: the rewrite can go."""
+    import xgrammar
+
+    engine = make_engine()
+    tok = engine.tokenizer
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2, "maxLength": 6}},
+              "required": ["a"]}
+    ids = {text: tok.encode(text, add_special_tokens=False) for text in ('{"a": "x\ty"}', '{"a": "x\x0cy"}',
+                                                                         '{"a": "xyz"}', '{"a": "x"}', '{"a": "abcdefg"}')}
+
+    def accepts(matcher, text: str) -> bool:
+        return all(matcher.accept(t) for t in ids[text])
+
+    compiler = engine.grammars._xgrammar_compiler()
+    upstream = xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+    assert all(upstream.accept_token(t) for t in ids['{"a": "x\ty"}']), "xgrammar's length rule is fixed"
+    for text, ok in [('{"a": "x\ty"}', False), ('{"a": "x\x0cy"}', False), ('{"a": "xyz"}', True),
+                     ('{"a": "x"}', False), ('{"a": "abcdefg"}', False)]:
+        matcher = engine.grammars.matcher(schema_constraint(schema))
+        complete = accepts(matcher, text) and matcher.accept(sorted(engine.eos_token_ids)[0])
+        assert complete == ok, text
