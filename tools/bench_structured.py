@@ -1,8 +1,9 @@
 """`tandem bench structured`: what structured output costs a server. One `tandem serve`, the serve
 workload (`tandem bench serve`'s) run in alternating rounds over gRPC: every request free, then
 every other request constrained by a JSON schema. Prints one JSON line per round, then the ratios
-of the means, and the schema's compile times (the tokenizer's vocabulary read once, a first
-compile, a cached one), measured in this process on the same tokenizer.
+of the means, the schema's compile times (the tokenizer's vocabulary read once, a first compile, a
+cached one) and the runner's grammar work per step (bitmask rows filled, logits rows masked), both
+measured in this process on the same tokenizer.
 
 Every request is greedy and asks for exactly its drawn output length (`ignore_eos`). The default
 schema asks for 40 records, more than any output length here allows, so a constrained request never
@@ -51,6 +52,33 @@ def compile_times(tokenizer, vocab_size: int, eos: frozenset[int], schema: str) 
     compiler.close()
     return {"tokenizer_info_ms": round(vocab * 1e3, 1), "first_compile_ms": round(times[0] * 1e3, 2),
             "cached_compile_ms": round(times[1] * 1e3, 3)}
+
+
+def mask_cost(tokenizer, vocab_size: int, eos: frozenset[int], schema: str, rows: int = 4, batch: int = 8) -> dict:
+    """Milliseconds per step of the runner's grammar work for `rows` constrained requests in a batch
+    of `batch`: filling their bitmask rows (matchers walked 24 tokens into the schema, each taking
+    the lowest token allowed) and masking their logits rows."""
+    import torch
+
+    from tandem.kernels.sampling import apply_token_bitmask
+    from tandem.server.grammar import GrammarCompiler, token_bitmask
+
+    compiler = GrammarCompiler(tokenizer, vocab_size, eos, timeout=600)
+    matchers = [compiler.matcher(Constraint("json_schema", schema)) for _ in range(rows)]
+    for step in range(24):
+        for i, matcher in enumerate(matchers[: rows - step % rows]):  # a few states, not one
+            words = token_bitmask([matcher], vocab_size)[0].tolist()
+            matcher.accept(next(32 * w + b for w, word in enumerate(words) for b in range(32) if word >> b & 1))
+    logits, masked, repeats = torch.randn(batch, vocab_size), list(range(0, batch, batch // rows))[:rows], 50
+    fill = mask = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        bitmask = token_bitmask(matchers, vocab_size)
+        middle = time.perf_counter()
+        apply_token_bitmask(logits.clone(), masked, bitmask)
+        fill, mask = fill + middle - start, mask + time.perf_counter() - middle
+    compiler.close()
+    return {"bitmask_fill_ms_per_step": round(fill / repeats * 1e3, 3), "mask_ms_per_step": round(mask / repeats * 1e3, 3)}
 
 
 def run(args, engine_args: list[str]) -> int:
@@ -102,5 +130,6 @@ def run(args, engine_args: list[str]) -> int:
         "ttft_p50_half_over_none": round(half["ttft_p50_s"] / none["ttft_p50_s"], 3),
         "tpot_p50_half_over_none": round(half["tpot_p50_ms"] / none["tpot_p50_ms"], 3),
         **compile_times(tokenizer, info.vocab_size, frozenset(info.eos_token_ids), schema),
+        **mask_cost(tokenizer, info.vocab_size, frozenset(info.eos_token_ids), schema),
     }))
     return 0

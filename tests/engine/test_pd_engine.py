@@ -73,12 +73,13 @@ def run_pair(p, d, port, prompt, params=GREEDY, room=None, legs=("prefill", "dec
     return {leg: s.result() for leg, s in streams.items()}
 
 
-def run_pairs(p, d, port, prompts, params=GREEDY) -> list[dict]:
-    """`run_pair` for every prompt at once, each from its own thread; results in prompt order."""
+def run_pairs(p, d, port, prompts, params: SamplingParams | list[SamplingParams] = GREEDY) -> list[dict]:
+    """`run_pair` for every prompt at once (with its own params, given a list), each from its own
+    thread; results in prompt order."""
     results: list = [None] * len(prompts)
 
     def one(i):
-        results[i] = run_pair(p, d, port, prompts[i], params)
+        results[i] = run_pair(p, d, port, prompts[i], params[i] if isinstance(params, list) else params)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -295,18 +296,9 @@ def test_constrained_requests_through_a_pair(pd, temperature):
     cases = [(what, Constraint("json_schema", json.dumps(schema)), schema) for what, schema in SCHEMAS[:6]]
     cases += [(what, Constraint("regex", pattern), pattern) for what, pattern in REGEXES[:4]]
     prompts = [p.tokenizer.encode(chat_prompt(p.tokenizer, what)) for what, _, _ in cases]
-    results: list = [None] * len(cases)
-
-    def one(i):
-        params = SamplingParams(max_new_tokens=120, temperature=temperature, seed=i, constraint=cases[i][1])
-        results[i] = run_pair(p, d, port, prompts[i], params)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    for (what, constraint, spec), legs in zip(cases, results):
+    params = [SamplingParams(max_new_tokens=120, temperature=temperature, seed=i, constraint=constraint)
+              for i, (_, constraint, _) in enumerate(cases)]
+    for (what, constraint, spec), legs in zip(cases, run_pairs(p, d, port, prompts, params)):
         out = legs["decode"]
         assert out.finish_reason == "stop" and legs["prefill"].output_ids == out.output_ids[:1], what
         if constraint.kind == "regex":
