@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ log = logging.getLogger("tandem.grammar")
 # Compiled grammars kept (xgrammar's cache, by text) before the least recently used go.
 CACHE_LIMIT_BYTES = 256 << 20
 COMPILE_WORKERS = 2
+# Constraints remembered (by a hash of their text) to count cache hits; the counts are approximate
+# for servers that see more distinct ones.
+SEEN_LIMIT = 65536
 
 
 @dataclass
@@ -84,7 +88,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="tandem-grammar")
         self._lock = threading.Lock()  # guards _compiler's creation and `stats`
         self._compiler = None
-        self._seen: set[Constraint] = set()
+        self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of recent constraints, oldest first
 
     def prepare(self) -> None:
         """Read the tokenizer's vocabulary now rather than on the first constrained request."""
@@ -116,11 +120,15 @@ class GrammarCompiler:
         except Exception as e:  # xgrammar reports every parse and conversion failure as an exception
             raise InvalidRequestError(constraint.kind, f"does not compile: {_reason(e)}") from None
         seconds = time.perf_counter() - start
+        key = hash(constraint)
         with self._lock:
-            if constraint in self._seen:
+            if key in self._seen:
+                self._seen.move_to_end(key)
                 self.stats.cache_hits += 1
             else:
-                self._seen.add(constraint)
+                self._seen[key] = None
+                if len(self._seen) > SEEN_LIMIT:
+                    self._seen.popitem(last=False)
                 self.stats.compiled += 1
                 self.stats.seconds += seconds
                 log.info("compiled a %s constraint (%d bytes) in %.1f ms", constraint.kind, len(constraint.text),

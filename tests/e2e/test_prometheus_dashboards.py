@@ -80,10 +80,15 @@ def static_job(name: str, port: int, **labels: str) -> dict:
 
 
 def chat(base: str, i: int) -> None:
-    status, body = http_post(base, "/v1/chat/completions", {
-        "model": "smollm2", "max_tokens": 16, "temperature": 0,
-        "messages": [{"role": "user", "content": f"Name {i + 2} colours of the rainbow."}]})
-    assert status == 200, body
+    """Every other request asks for JSON, each with its own schema: the grammar panels get compiles."""
+    body = {"model": "smollm2", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": f"Name {i + 2} colours of the rainbow."}]}
+    if i % 2:
+        schema = {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string"},
+                                                               "maxItems": i + 2}}, "required": ["colours"]}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "colours", "schema": schema}}
+    status, reply = http_post(base, "/v1/chat/completions", body)
+    assert status == 200, reply
 
 
 @pytest.fixture(scope="module")
