@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# Ports for the servers a stack starts: below Linux's ephemeral range (32768-60999 by default), from
+# which the kernel also picks the local ports of outgoing connections. A port bind(0) returned there
+# was once taken, before the server bound it, by a connection its own tensor-parallel ranks opened.
+PORT_RANGE = (20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE} after 100 tries")
 
 
 def wait_healthy(target: str, proc: subprocess.Popen, log_path: Path, timeout: float = 240) -> None:
