@@ -36,11 +36,9 @@ RECORDS = {
 ARMS = ("none", "half")
 
 
-def compile_times(tokenizer, vocab_size: int, eos: frozenset[int], schema: str) -> dict:
-    """Milliseconds: reading the tokenizer's vocabulary, the first compile of `schema`, a cached one."""
-    from tandem.server.grammar import GrammarCompiler
-
-    compiler = GrammarCompiler(tokenizer, vocab_size, eos, timeout=600)
+def compile_times(compiler, schema: str) -> dict:
+    """Milliseconds, on a fresh GrammarCompiler: reading the tokenizer's vocabulary, the first compile
+    of `schema`, a cached one."""
     start = time.perf_counter()
     compiler.prepare()
     vocab = time.perf_counter() - start
@@ -49,21 +47,20 @@ def compile_times(tokenizer, vocab_size: int, eos: frozenset[int], schema: str) 
         start = time.perf_counter()
         compiler.matcher(Constraint("json_schema", schema))
         times.append(time.perf_counter() - start)
-    compiler.close()
     return {"tokenizer_info_ms": round(vocab * 1e3, 1), "first_compile_ms": round(times[0] * 1e3, 2),
             "cached_compile_ms": round(times[1] * 1e3, 3)}
 
 
-def mask_cost(tokenizer, vocab_size: int, eos: frozenset[int], schema: str, rows: int = 4, batch: int = 8) -> dict:
+def mask_cost(compiler, schema: str, rows: int = 4, batch: int = 8) -> dict:
     """Milliseconds per step of the runner's grammar work for `rows` constrained requests in a batch
     of `batch`: filling their bitmask rows (matchers walked 24 tokens into the schema, each taking
     the lowest token allowed) and masking their logits rows."""
     import torch
 
     from tandem.kernels.sampling import apply_token_bitmask
-    from tandem.server.grammar import GrammarCompiler, token_bitmask
+    from tandem.server.grammar import token_bitmask
 
-    compiler = GrammarCompiler(tokenizer, vocab_size, eos, timeout=600)
+    vocab_size = compiler.vocab_size
     matchers = [compiler.matcher(Constraint("json_schema", schema)) for _ in range(rows)]
     for step in range(24):
         for i, matcher in enumerate(matchers[: rows - step % rows]):  # a few states, not one
@@ -77,13 +74,13 @@ def mask_cost(tokenizer, vocab_size: int, eos: frozenset[int], schema: str, rows
         middle = time.perf_counter()
         apply_token_bitmask(logits.clone(), masked, bitmask)
         fill, mask = fill + middle - start, mask + time.perf_counter() - middle
-    compiler.close()
     return {"bitmask_fill_ms_per_step": round(fill / repeats * 1e3, 3), "mask_ms_per_step": round(mask / repeats * 1e3, 3)}
 
 
 def run(args, engine_args: list[str]) -> int:
     from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
+    from tandem.server.grammar import GrammarCompiler
     from tandem.server.model.loader import resolve_model
     from tandem.server.tokenizer import load_tokenizer
     from tandem.tools.client import Client, request_message
@@ -111,25 +108,27 @@ def run(args, engine_args: list[str]) -> int:
 
         # Warm-up: the workload's prompts with short outputs, half constrained (the server's one
         # compile of the schema), counted in no round.
-        drive(lambda p, n, c: run_one(p, n, c), [(p, 8, i % 2 == 1) for i, (p, _) in enumerate(work)], args.concurrency)
+        drive(run_one, [(p, 8, i % 2 == 1) for i, (p, _) in enumerate(work)], args.concurrency)
         for round_ in range(args.rounds):
             for arm in ARMS if round_ % 2 == 0 else ARMS[::-1]:  # none, half, half, none, ...: drift cancels
                 arm_work = [(p, n, arm == "half" and i % 2 == 1) for i, (p, n) in enumerate(work)]
                 result = {"bench": "structured", "arm": arm, "round": round_,
-                          **drive(lambda p, n, c: run_one(p, n, c), arm_work, args.concurrency)}
+                          **drive(run_one, arm_work, args.concurrency)}
                 results[arm].append(result)
                 print(json.dumps(result), flush=True)
         client.close()
     mean = {arm: {k: statistics.mean(r[k] for r in rs) for k in ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_ms")}
             for arm, rs in results.items()}
     none, half = mean["none"], mean["half"]
+    compiler = GrammarCompiler(tokenizer, info.vocab_size, frozenset(info.eos_token_ids), timeout=600)
+    grammar_costs = {**compile_times(compiler, schema), **mask_cost(compiler, schema)}
+    compiler.close()
     print(json.dumps({
         "bench": "structured", "arm": "summary", "rounds": args.rounds,
         "output_tokens_none": results["none"][0]["output_tokens"], "output_tokens_half": results["half"][0]["output_tokens"],
         "throughput_half_over_none": round(half["output_tokens_per_s"] / none["output_tokens_per_s"], 3),
         "ttft_p50_half_over_none": round(half["ttft_p50_s"] / none["ttft_p50_s"], 3),
         "tpot_p50_half_over_none": round(half["tpot_p50_ms"] / none["tpot_p50_ms"], 3),
-        **compile_times(tokenizer, info.vocab_size, frozenset(info.eos_token_ids), schema),
-        **mask_cost(tokenizer, info.vocab_size, frozenset(info.eos_token_ids), schema),
+        **grammar_costs,
     }))
     return 0
