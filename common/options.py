@@ -16,7 +16,7 @@ def opt(default, help: str, **extra):
 
 def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = None, exclude: tuple[str, ...] = ()) -> None:
     """One flag per field of `cls` (except `exclude` and fields made with `cli=False`): bool fields
-    get --x/--no-x, Literal fields their choices, tuple fields are repeatable. `defaults` overrides
+    get --x/--no-x (optional ones are None when neither is given), Literal fields their choices, tuple fields are repeatable. `defaults` overrides
     a field's default for this command line only."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = 
         default = (defaults or {}).get(f.name, f.default)
         hint = hints[f.name]
         kwargs: dict = {"default": default, "help": f"{f.metadata['help']} (default: {default})"}
-        if hint is bool:
+        if hint is bool or hint == bool | None:  # --x / --no-x; unset: None, the field's "decide for me"
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is typing.Literal:
             kwargs["choices"] = typing.get_args(hint)

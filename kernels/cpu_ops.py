@@ -5,7 +5,8 @@ set-up script builds it ahead). They register as `torch.ops.tandem.*`:
 - `block_gemm`, `block_gemm_bf16`: projections over GGUF-style int8 blocks (block_linear.py);
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py);
 - `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`: a layer's steps between projections (layer_ops.py);
-- `parallel_threads`: how many threads a parallel region runs on (a check for the tests).
+- `parallel_threads`: how many threads a parallel region runs on (a check for the tests);
+- `idle_compute_threads`: the calling thread's compute threads to SCHED_IDLE (`--compute-priority idle`).
 
 They split their work with at::parallel_for, which is compiled into the library from ATen's
 headers: built without OpenMP it runs serially and says nothing (a two-core decode step ran its
@@ -59,6 +60,18 @@ def _load() -> str | None:
         log.warning("tandem's CPU kernels are unavailable, using torch's: %s", e)
         return f"they did not build: {type(e).__name__}: {str(e)[:200]}"
     return None
+
+
+def idle_compute_threads() -> int:
+    """Move the calling thread and the OpenMP workers of its parallel regions (the threads that
+    run its torch CPU work) to Linux's SCHED_IDLE policy: they compute only in the time no other
+    process's thread wants a core. Returns how many threads that is. RuntimeError where tandem's
+    CPU kernels cannot run, or where the kernel refuses."""
+    if (why := cpu_ops_unavailable()) is not None:
+        raise RuntimeError(f"tandem's CPU kernels are unavailable here: {why}")
+    import torch
+
+    return torch.ops.tandem.idle_compute_threads()
 
 
 if __name__ == "__main__":  # the set-up script: build now, not in the first server that starts

@@ -50,10 +50,18 @@ class EngineConfig:
     new_token_ratio_decay_steps: int = opt(600, "decode steps to decay the reserve ratio from init to min")
     seed: int = opt(0, "seed for requests that bring none")
     num_threads: int | None = opt(None, "torch CPU threads of each tensor-parallel rank (default: the cores shared evenly)")
+    compute_priority: Literal["normal", "idle"] = opt(
+        "normal", "CPU: how the threads that run forward passes are scheduled; idle (Linux SCHED_IDLE) computes "
+                  "only in the time other processes leave, for a server sharing its cores with another one (a "
+                  "decode beside its prefill on one machine: the prefill's forward passes go first, as a "
+                  "colocated server's prefills pause its decodes)")
     tp_size: int = opt(1, "tensor-parallel ranks: processes (one GPU each on CUDA) that each hold 1/N of every layer's "
                           "heads and features; must divide the model's query and KV heads")
-    disable_overlap_schedule: bool = opt(
-        False, "run each step's scheduling and output processing between forward passes instead of during them")
+    disable_overlap_schedule: bool | None = opt(
+        None, "run each step's scheduling and output processing between forward passes instead of during "
+              "them; unset: overlapped on CUDA, where that host work is a large share of a step, and not on a "
+              "CPU, where it is about 1% and a new prompt would wait for one more step (but with "
+              "--compute-priority idle, whose forward passes need a thread of their own)")
     tp_timeout: float = opt(120.0, "seconds tensor-parallel ranks wait for each other in a collective before the "
                                    "server fails (and exits) rather than hang")
     grammar_compile_timeout: float = opt(
@@ -79,6 +87,8 @@ class EngineConfig:
             ("context_length", self.context_length is None or self.context_length >= 2, ">= 2"),
             ("tp_size", self.tp_size >= 1, ">= 1"),
             ("tp_timeout", self.tp_timeout > 0, "> 0"),
+            ("compute_priority", self.compute_priority == "normal" or self.tp_size == 1,
+             f"normal with --tp-size {self.tp_size} (idle is for one process)"),
             ("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0"),
             ("kv_events_replay", self.kv_events_replay >= 1, ">= 1"),
             ("kv_events_queue", self.kv_events_queue >= 1, ">= 1"),

@@ -22,7 +22,8 @@ what the scheduler reports, applying what it asks through the scheduler) -> sche
 execute -> update -> publish outputs, the snapshot of statistics and the step's KV events (what
 the prefix cache stored and dropped, `tandem.server.kv_events`).
 
-Overlap scheduling (the default; `--disable-overlap-schedule` turns it off) is a second loop
+Overlap scheduling (the default on CUDA; `--no-disable-overlap-schedule` asks for it on a CPU,
+`--disable-overlap-schedule` turns it off: `overlap_scheduling`) is a second loop
 over the same calls, `step_overlapped()`: the forward passes run on a runner thread, and while
 it computes step N the engine thread plans step N+1 and launches it, then takes step N's output
 (update, publish). The runner thread then does all of the process's torch work, the model's
@@ -42,6 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tandem.kernels.cpu_ops import idle_compute_threads
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig, EngineConfig
 from tandem.server.disagg.connector import advertise_host, create_connector
@@ -67,6 +69,18 @@ from tandem.server.stats import EngineSnapshot, StatsObserver
 log = logging.getLogger("tandem.engine")
 
 
+def overlap_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """`--disable-overlap-schedule`, or where it is unset: overlap on CUDA, and on a CPU only with
+    `--compute-priority idle`. On a CPU the host work overlap hides is about 1% of a step, and it
+    costs a new prompt one more step of waiting (the next step is already launched when it
+    arrives; the README's Overlap section has the measurement). At idle priority the forward
+    passes need a thread of their own: the engine thread must go on registering and admitting
+    arrivals while another process's work holds the cores."""
+    if config.disable_overlap_schedule is not None:
+        return not config.disable_overlap_schedule
+    return device.type == "cuda" or config.compute_priority == "idle"
+
+
 class Engine:
     """`disagg` picks the role: colocated (the default) or a prefill or decode server, whose KV
     connector listens on (prefill: bootstrap service) or connects from `host`; `port` is the
@@ -85,7 +99,9 @@ class Engine:
         self.inbox = Inbox()
         self.failure: str | None = None  # why the loop failed (a lost tensor-parallel rank), None while it has not
         self.ranks: RankPool | None = None  # tensor-parallel ranks 1..N-1, with --tp-size > 1
-        self.overlap = not config.disable_overlap_schedule
+        self.overlap = overlap_scheduling(config, model.device if model is not None else resolve_device(config.device))
+        log.info("overlap scheduling %s%s", "on" if self.overlap else "off",
+                 " (unset: on CUDA, or with --compute-priority idle)" if config.disable_overlap_schedule is None else "")
         # Overlap scheduling: the one thread that runs forward passes (and every other torch call).
         self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-runner") if self.overlap else None
         self._in_flight: tuple[StepPlan, Future] | None = None  # launched, not yet updated (overlap)
@@ -134,6 +150,17 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self.observer, self.scheduler.finish, self.intake.release)
         self.snapshot = EngineSnapshot()
         self._publish_snapshot()
+        if config.compute_priority == "idle":
+            self._idle_compute_threads()
+
+    def _idle_compute_threads(self) -> None:
+        """`--compute-priority idle`, on the thread that runs the forward passes, after every
+        other thread (gRPC, KV transfer) exists: those keep their policy."""
+        if self.model.device.type != "cpu":
+            raise ValueError(f"--compute-priority=idle is for CPU servers; this one runs on {self.model.device}")
+        count = idle_compute_threads()
+        log.info("compute priority idle: the %d threads that run forward passes yield the cores to other "
+                 "processes (SCHED_IDLE)", count)
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config

@@ -66,7 +66,7 @@ def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
         elapsed = time.perf_counter() - start
         steps = engine.call(lambda: engine.scheduler.stats.forward_steps) - warm_steps
         dtype = str(engine.model.dtype).removeprefix("torch.")
-        ranks = engine.ranks
+        ranks, overlap = engine.ranks, engine.overlap
         tp = None if ranks is None else (ranks.group.calls, ranks.group.seconds, ranks.sends, ranks.send_seconds)
     if outputs is not None:
         outputs.extend(r.output_ids for r in results)
@@ -75,7 +75,7 @@ def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
     ttft = sorted(r.time_to_first_token for r in results)
     result = {
         "tp_size": config.tp_size,
-        "overlap": not config.disable_overlap_schedule,
+        "overlap": overlap,
         "output_tokens": tokens,
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(tokens / elapsed, 1),

@@ -181,13 +181,23 @@ class LocalStack:
         return server
 
     def start_servers(self, roles: list[str]) -> list[Server]:
-        """Launch one server per role, the machine's cores split between them (`--num-threads`,
-        unless the engine flags set it): servers sharing cores with more torch threads than
-        there are cores stall each other's parallel regions."""
-        extra: tuple[str, ...] = ()
-        if not any(a.startswith("--num-threads") for a in self.engine_args):
-            extra = ("--num-threads", str(max(1, (os.cpu_count() or 1) // len(roles))))
-        return [self.start_server(role, *extra) for role in roles]
+        """Launch one server per role on this machine's cores (engine flags that set
+        `--num-threads` or `--compute-priority` take precedence). Servers of one role split the
+        cores between them: more torch threads than cores at one priority stall each other's
+        parallel regions. Decodes beside prefills take the cores too, at `--compute-priority
+        idle`: a prefill's forward pass goes first, as a colocated server's prefills pause its
+        decodes, and the decodes compute in the time it leaves (measured in the README)."""
+        cores = os.cpu_count() or 1
+        pinned = lambda flag: any(a.startswith(flag) for a in self.engine_args)  # noqa: E731
+        servers = []
+        for role in roles:
+            extra: list[str] = []
+            if not pinned("--num-threads"):
+                extra += ["--num-threads", str(max(1, cores // roles.count(role)))]
+            if role == "decode" and "prefill" in roles and not pinned("--compute-priority"):
+                extra += ["--compute-priority", "idle"]
+            servers.append(self.start_server(role, *extra))
+        return servers
 
     def wait(self) -> None:
         for server in self.servers:

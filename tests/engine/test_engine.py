@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -210,6 +211,7 @@ def test_invalid_engine_config_names_the_flag():
         (dict(chunked_prefill_size=8, page_size=16), "--chunked-prefill-size"),
         (dict(kv_memory_fraction=1.5), "--kv-memory-fraction"),
         (dict(max_running_requests=0), "--max-running-requests"),
+        (dict(compute_priority="idle", tp_size=3), "--compute-priority"),
     ]:
         with pytest.raises(ValueError, match=flag):
             EngineConfig(**bad).validate()
@@ -316,3 +318,20 @@ def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_h
     thread.join(timeout=10)
     assert not thread.is_alive()
 
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["overlap", "plain"])
+def test_compute_priority_idle_puts_the_forward_pass_thread_alone_under_sched_idle(make_engine, plain):
+    """`--compute-priority idle` (a decode sharing its cores with a prefill): the thread that
+    runs forward passes (the runner thread under overlap, else the engine thread) is SCHED_IDLE;
+    under overlap the engine thread, which plans and publishes, is not. Outputs are unchanged."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    normal = make_engine(disable_overlap_schedule=plain)
+    idle = make_engine(disable_overlap_schedule=plain, compute_priority="idle")
+    policy = lambda: os.sched_getscheduler(0)  # noqa: E731 - the calling thread's
+    forward = idle.call(policy) if plain else idle._runner_thread.submit(policy).result()
+    assert forward == os.SCHED_IDLE
+    assert idle.call(policy) == (os.SCHED_IDLE if plain else os.SCHED_OTHER)
+    assert normal.call(policy) == os.SCHED_OTHER
+    assert [o.output_ids for o in idle.generate(prompts, params)] == [o.output_ids for o in normal.generate(prompts, params)]

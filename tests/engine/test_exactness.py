@@ -1,7 +1,7 @@
 """Greedy float32 outputs are token-identical to HF transformers on the same GGUF weights, under
 every batching shape the engine produces: chunked prefill, prefix-cache hits, page sizes 1 and 16,
-mixed batches, the chunk cache, and a pool small enough to force retraction; with the overlapped
-loop (the default) and the plain one."""
+mixed batches, the chunk cache, and a pool small enough to force retraction; with the plain loop
+(a CPU's default) and the overlapped one."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ CONFIGS = {
     "mixed-chunk": dict(page_size=16, chunked_prefill_size=256, enable_mixed_chunk=True),
     "no-radix-cache": dict(page_size=16, chunked_prefill_size=256, disable_radix_cache=True),
     "lpm-no-chunking": dict(page_size=4, chunked_prefill_size=0, schedule_policy="lpm"),
-    "plain-loop": dict(page_size=16, chunked_prefill_size=256, disable_overlap_schedule=True),
+    "overlap": dict(page_size=16, chunked_prefill_size=256, disable_overlap_schedule=False),
 }
 
 

@@ -1,11 +1,14 @@
-"""Overlap scheduling on the real model: what a failed forward pass does in each loop. (Exactness
-under overlap is in test_exactness.py; the scheduler's side of it in unit/test_scheduler.py.)"""
+"""Overlap scheduling on the real model: when it is on, and what a failed forward pass does in
+each loop. (Exactness under overlap is in test_exactness.py; the scheduler's side of it in
+unit/test_scheduler.py.)"""
 
 from __future__ import annotations
 
+import torch
+
 from support.checks import assert_engine_clean
 from tandem.server.config import EngineConfig
-from tandem.server.engine import Engine
+from tandem.server.engine import Engine, overlap_scheduling
 from tandem.server.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -26,8 +29,16 @@ def failing_on(engine: Engine, calls: set[int]):
     return seen
 
 
+def test_overlap_scheduling_when_unset_is_on_for_cuda_and_idle_cpu_servers():
+    assert overlap_scheduling(EngineConfig(), torch.device("cuda"))
+    assert not overlap_scheduling(EngineConfig(), torch.device("cpu"))
+    assert overlap_scheduling(EngineConfig(compute_priority="idle"), torch.device("cpu"))
+    assert overlap_scheduling(EngineConfig(disable_overlap_schedule=False), torch.device("cpu"))
+    assert not overlap_scheduling(EngineConfig(disable_overlap_schedule=True), torch.device("cuda"))
+
+
 def test_a_failed_pass_fails_the_overlapped_engine(smollm_fp32):
-    engine = Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32)
+    engine = Engine(EngineConfig(max_total_tokens=4096, disable_overlap_schedule=False), model=smollm_fp32)
     assert engine.overlap
     with engine:
         failing_on(engine, {3})

@@ -93,11 +93,11 @@ def test_pd_outputs_equal_the_reference(pd, hf_reference):
     assert_pd_matches_the_reference(*pd, hf_reference)
 
 
-def test_pd_outputs_equal_the_reference_with_the_plain_loop(smollm_fp32, hf_reference):
-    """Both engines without overlap scheduling (the fixture's pair overlaps, the default)."""
-    p, d, port = make_pd(smollm_fp32, disable_overlap_schedule=True)
+def test_pd_outputs_equal_the_reference_with_overlap_scheduling(smollm_fp32, hf_reference):
+    """Both engines overlapped (the fixture's pair runs the plain loop, a CPU's default)."""
+    p, d, port = make_pd(smollm_fp32, disable_overlap_schedule=False)
     try:
-        assert not p.overlap and not d.overlap
+        assert p.overlap and d.overlap
         assert_pd_matches_the_reference(p, d, port, hf_reference)
     finally:
         for e in (p, d):

@@ -22,6 +22,16 @@ def test_engine_flags_passed_on_to_serve_parse_there_to_the_same_config():
     assert from_args(serve, EngineConfig).enable_mixed_chunk and from_args(serve, EngineConfig).page_size == 32
 
 
+@pytest.mark.parametrize("given, value", [([], None), (["--disable-overlap-schedule"], True),
+                                           (["--no-disable-overlap-schedule"], False)])
+def test_an_optional_boolean_flag_stays_unset_unless_given(given, value):
+    """Unset, the engine decides (overlap scheduling: on CUDA only); either way it is passed on."""
+    demo = build_parser().parse_args(["demo", *given])
+    assert from_args(demo, EngineConfig).disable_overlap_schedule is value
+    serve = build_parser().parse_args(["serve", *changed_engine_flags(demo)])
+    assert from_args(serve, EngineConfig).disable_overlap_schedule is value
+
+
 def test_sampling_flags_come_from_sampling_params_greedy_by_default():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--stop", "a", "--stop", "b", "--top-k", "5",
                                       "--ignore-eos", "--stop-token-ids", "7"])
