@@ -52,6 +52,9 @@ def test_pd_demo_keeps_running_until_ctrl_c(tmp_path):
         assert http_post(url, "/v1/chat/completions", body, timeout=5)[0] == 0  # the router is gone
         for log in ("prefill-0.log", "decode-1.log"):
             assert "stopped" in (tmp_path / log).read_text()  # the servers drained and exited
+        # Both servers on all the cores; the decode's forward passes yield them to the prefill's.
+        assert "compute priority idle" in (tmp_path / "decode-1.log").read_text()
+        assert "compute priority idle" not in (tmp_path / "prefill-0.log").read_text()
     finally:
         if proc.poll() is None:  # a failed assertion above must not leave the stack running
             proc.send_signal(signal.SIGINT)
