@@ -16,8 +16,8 @@ def opt(default, help: str, **extra):
 
 def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = None, exclude: tuple[str, ...] = ()) -> None:
     """One flag per field of `cls` (except `exclude` and fields made with `cli=False`): bool fields
-    get --x/--no-x (optional ones are None when neither is given), Literal fields their choices, tuple fields are repeatable. `defaults` overrides
-    a field's default for this command line only."""
+    get --x/--no-x (optional ones stay None when neither is given), Literal fields their choices,
+    tuple fields are repeatable. `defaults` overrides a field's default for this command line only."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in exclude or not f.metadata.get("cli", True):

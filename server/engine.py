@@ -158,7 +158,10 @@ class Engine:
         other thread (gRPC, KV transfer) exists: those keep their policy."""
         if self.model.device.type != "cpu":
             raise ValueError(f"--compute-priority=idle is for CPU servers; this one runs on {self.model.device}")
-        count = idle_compute_threads()
+        try:
+            count = idle_compute_threads()
+        except RuntimeError as e:
+            raise ValueError(f"--compute-priority=idle: {e}") from e
         log.info("compute priority idle: the %d threads that run forward passes yield the cores to other "
                  "processes (SCHED_IDLE)", count)
 
