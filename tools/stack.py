@@ -188,13 +188,13 @@ class LocalStack:
         idle`: a prefill's forward pass goes first, as a colocated server's prefills pause its
         decodes, and the decodes compute in the time it leaves (measured in the README)."""
         cores = os.cpu_count() or 1
-        pinned = lambda flag: any(a.startswith(flag) for a in self.engine_args)  # noqa: E731
+        given = {a.split("=")[0] for a in self.engine_args}
         servers = []
         for role in roles:
             extra: list[str] = []
-            if not pinned("--num-threads"):
+            if "--num-threads" not in given:
                 extra += ["--num-threads", str(max(1, cores // roles.count(role)))]
-            if role == "decode" and "prefill" in roles and not pinned("--compute-priority"):
+            if role == "decode" and "prefill" in roles and "--compute-priority" not in given:
                 extra += ["--compute-priority", "idle"]
             servers.append(self.start_server(role, *extra))
         return servers

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from functools import partial
 
 import pytest
 
@@ -329,7 +330,7 @@ def test_compute_priority_idle_puts_the_forward_pass_thread_alone_under_sched_id
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     normal = make_engine(disable_overlap_schedule=plain)
     idle = make_engine(disable_overlap_schedule=plain, compute_priority="idle")
-    policy = lambda: os.sched_getscheduler(0)  # noqa: E731 - the calling thread's
+    policy = partial(os.sched_getscheduler, 0)  # the calling thread's
     forward = idle.call(policy) if plain else idle._runner_thread.submit(policy).result()
     assert forward == os.SCHED_IDLE
     assert idle.call(policy) == (os.SCHED_IDLE if plain else os.SCHED_OTHER)

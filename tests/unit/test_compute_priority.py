@@ -52,11 +52,20 @@ def test_the_callers_compute_threads_and_no_others_go_idle():
     assert seen["after"] == 1 << 20
 
 
+def flags_given(stack, roles: list[str]) -> list[tuple[str, list[str]]]:
+    """What `stack.start_servers(roles)` would launch: (role, extra serve flags) per server."""
+    started = []
+    stack.start_server = lambda role, *extra: started.append((role, list(extra)))
+    stack.start_servers(roles)
+    return started
+
+
 @pytest.mark.parametrize("roles, flags", [
     (["colocated"], [["--num-threads", "2"]]),
     (["colocated", "colocated"], [["--num-threads", "1"]] * 2),
     (["prefill", "decode"], [["--num-threads", "2"], ["--num-threads", "2", "--compute-priority", "idle"]]),
-    (["prefill", "prefill", "decode", "decode"], [["--num-threads", "1"]] * 2 + [["--num-threads", "1", "--compute-priority", "idle"]] * 2),
+    (["prefill", "prefill", "decode", "decode"],
+     [["--num-threads", "1"]] * 2 + [["--num-threads", "1", "--compute-priority", "idle"]] * 2),
     (["decode"], [["--num-threads", "2"]]),
 ])
 def test_a_local_stack_gives_decodes_beside_prefills_the_cores_at_idle_priority(monkeypatch, tmp_path, roles, flags):
@@ -64,18 +73,11 @@ def test_a_local_stack_gives_decodes_beside_prefills_the_cores_at_idle_priority(
     from tandem.tools.stack import LocalStack
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    stack = LocalStack(tmp_path)
-    started = []
-    monkeypatch.setattr(stack, "start_server", lambda role, *extra: started.append((role, list(extra))))
-    stack.start_servers(roles)
-    assert started == list(zip(roles, flags))
+    assert flags_given(LocalStack(tmp_path), roles) == list(zip(roles, flags))
 
 
-def test_engine_flags_given_to_a_local_stack_take_precedence(monkeypatch, tmp_path):
+def test_engine_flags_given_to_a_local_stack_take_precedence(tmp_path):
     from tandem.tools.stack import LocalStack
 
-    stack = LocalStack(tmp_path, ("--num-threads", "1", "--compute-priority", "normal"))
-    started = []
-    monkeypatch.setattr(stack, "start_server", lambda role, *extra: started.append((role, list(extra))))
-    stack.start_servers(["prefill", "decode"])
-    assert started == [("prefill", []), ("decode", [])]
+    stack = LocalStack(tmp_path, ("--num-threads=1", "--compute-priority", "normal"))
+    assert flags_given(stack, ["prefill", "decode"]) == [("prefill", []), ("decode", [])]
