@@ -4,7 +4,7 @@ connector) on its own thread, then runs the step loop there once started.
 Threads: callers submit and abort from any thread (intake validates on theirs, then the inbox
 carries typed messages to the loop); everything else (scheduler, memory, runner, connector,
 output processing) is owned by the engine thread. `call(fn)` runs fn on the engine thread between
-two steps, which is how tests and servers inspect engine state safely.
+scheduler calls, which is how tests and servers inspect engine state safely.
 
 The model is loaded on the engine thread too, so that one thread does all of the process's torch
 work: GNU OpenMP (torch's CPU thread pool) keeps a pool of workers per thread that runs parallel
@@ -22,11 +22,12 @@ what the scheduler reports, applying what it asks through the scheduler) -> sche
 execute -> update -> publish outputs, the snapshot of statistics and the step's KV events (what
 the prefix cache stored and dropped, `tandem.server.kv_events`).
 
-Overlap scheduling (the default on CUDA; `--no-disable-overlap-schedule` asks for it on a CPU,
-`--disable-overlap-schedule` turns it off: `overlap_scheduling`) is a second loop
+Overlap scheduling (the default on CUDA and for a decode; `--no-disable-overlap-schedule` asks
+for it on a CPU, `--disable-overlap-schedule` turns it off: `overlap_scheduling`) is a second loop
 over the same calls, `step_overlapped()`: the forward passes run on a runner thread, and while
-it computes step N the engine thread plans step N+1 and launches it, then takes step N's output
-(update, publish). The runner thread then does all of the process's torch work, the model's
+it computes step N the engine thread plans step N+1 and launches it, then, until step N is
+done, applies the inbox and polls the connector, and takes step N's output (update, publish).
+The runner thread then does all of the process's torch work, the model's
 loading included, for the reason above. Every step runs after the one launched before it, so
 what the scheduler frees or shares now is only read or written again by later steps. A failed
 forward pass fails the engine, as it does with tensor parallelism: the step after it is already
@@ -69,16 +70,17 @@ from tandem.server.stats import EngineSnapshot, StatsObserver
 log = logging.getLogger("tandem.engine")
 
 
-def overlap_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """`--disable-overlap-schedule`, or where it is unset: overlap on CUDA, and on a CPU only with
-    `--compute-priority idle`. On a CPU the host work overlap hides is about 1% of a step, and it
-    costs a new prompt one more step of waiting (the next step is already launched when it
-    arrives; the README's Overlap section has the measurement). At idle priority the forward
-    passes need a thread of their own: the engine thread must go on registering and admitting
-    arrivals while another process's work holds the cores."""
+def overlap_scheduling(config: EngineConfig, device: torch.device, role: str = "colocated") -> bool:
+    """`--disable-overlap-schedule`, or where it is unset: overlap on CUDA, and on a CPU for a
+    decode server and with `--compute-priority idle`. On a CPU the host work overlap hides is
+    about 1% of a step, and it costs a new prompt one more step of waiting (the next step is
+    already launched when it arrives; the README's Overlap section has the measurement), which a
+    decode, with no prompts to prefill, does not pay. It frees the engine thread to poll while a
+    step computes: a decode notices arrived KV mid-step (`_poll_while_running`), and at idle
+    priority the engine thread goes on while another process's work holds the cores."""
     if config.disable_overlap_schedule is not None:
         return not config.disable_overlap_schedule
-    return device.type == "cuda" or config.compute_priority == "idle"
+    return device.type == "cuda" or role == "decode" or config.compute_priority == "idle"
 
 
 class Engine:
@@ -99,13 +101,15 @@ class Engine:
         self.inbox = Inbox()
         self.failure: str | None = None  # why the loop failed (a lost tensor-parallel rank), None while it has not
         self.ranks: RankPool | None = None  # tensor-parallel ranks 1..N-1, with --tp-size > 1
-        self.overlap = overlap_scheduling(config, model.device if model is not None else resolve_device(config.device))
+        self.overlap = overlap_scheduling(config, model.device if model is not None else resolve_device(config.device),
+                                          disagg.role)
         log.info("overlap scheduling %s%s", "on" if self.overlap else "off",
-                 " (unset: on CUDA, or with --compute-priority idle)" if config.disable_overlap_schedule is None else "")
+                 " (unset: on CUDA, for a decode, or with --compute-priority idle)" if config.disable_overlap_schedule is None else "")
         # Overlap scheduling: the one thread that runs forward passes (and every other torch call).
         self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-runner") if self.overlap else None
         self._in_flight: tuple[StepPlan, Future] | None = None  # launched, not yet updated (overlap)
         self._started = False
+        self._stopping = False  # the inbox said Stop while a step computed (overlap)
         self._go = threading.Event()  # set by start() or shutdown(): the built engine thread goes on
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(built, model, disagg, host, port),
@@ -312,7 +316,7 @@ class Engine:
         self._go.wait()
         step = self.step_overlapped if self.overlap else self.step
         try:
-            while self._started and self._apply_inbox(self._idle_timeout()):
+            while self._started and not self._stopping and self._apply_inbox(self._idle_timeout()):
                 step()
         except BaseException as e:
             self.failure = self.failure or f"engine loop crashed: {type(e).__name__}: {e}"
@@ -409,6 +413,7 @@ class Engine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             ran, future = previous
+            self._poll_while_running(future)
             try:
                 out = future.result()
             except Exception as e:
@@ -418,6 +423,16 @@ class Engine:
         elif plan is None and self.scheduler.has_work():
             time.sleep(0.001)
         self._publish()
+
+    def _poll_while_running(self, step: Future) -> None:
+        """Until `step` is done, go on as between steps: apply the inbox (a decode registers a new
+        request with its prefill now, not a step later) and poll the connector, as often as it
+        asks while its requests wait for their KV. What they admit or free is only read or
+        written by steps planned after this point."""
+        step.add_done_callback(lambda _: self._wake())
+        while not step.done() and not self._stopping:
+            self._stopping = not self._apply_inbox(self.connector.step_poll_interval())
+            self._poll_connector()
 
     def _update(self, plan: StepPlan, out: StepOutput) -> None:
         for req in self.scheduler.update(plan, out):

@@ -28,7 +28,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class Call:
-    """Run `fn` on the loop thread between two steps; its result or error goes to `future`."""
+    """Run `fn` on the loop thread, between scheduler calls; its result or error goes to `future`."""
 
     fn: Callable
     future: Future

@@ -108,6 +108,11 @@ class KVConnector:
         """How long the loop may sleep when the scheduler has nothing to run (None: until woken)."""
         return 0.0 if self._new else None
 
+    def step_poll_interval(self) -> float | None:
+        """How often the overlapped loop polls while it waits for a step's output (None: only
+        between steps): for work outside the engine that would otherwise wait a step."""
+        return None
+
     def held(self) -> list[Request]:
         """Requests holding a slot outside the scheduler."""
         return []

@@ -48,6 +48,7 @@ from tandem.server.sampling_params import InvalidRequestError
 
 log = logging.getLogger("tandem.decode")
 
+ARRIVAL_POLL_S = 0.002  # arrival records are polled, not announced
 STATUS_INTERVAL_S = 0.1  # room-state polls per prefill peer while requests wait on it
 PEER_RETRY_S = 1.0  # a failed handshake is retried for requests arriving this much later
 HEARTBEAT_MISSES = 2  # heartbeats missed in a row that mark a prefill offline
@@ -477,11 +478,16 @@ class DecodeConnector(KVConnector):
 
     def idle_wait(self) -> float | None:
         if any(p.stage is Stage.TRANSFER for p in self.pending.values()):
-            return 0.002  # arrival records are polled, not announced
+            return ARRIVAL_POLL_S
         if self.has_work():
             return 0.05
         beats = [p.next_heartbeat for p in self.peers.values() if p.state is PeerState.READY and p.heartbeat is None]
         return max(0.0, min(beats) - time.monotonic()) if beats else None
+
+    def step_poll_interval(self) -> float | None:
+        # A KV that lands mid-step streams its first token now, not after the step (a decode
+        # step lasts tens of milliseconds, longer while a prefill beside it holds the cores).
+        return ARRIVAL_POLL_S if self.pending else None
 
     def drained(self) -> bool:
         return not self.pending

@@ -29,9 +29,12 @@ def failing_on(engine: Engine, calls: set[int]):
     return seen
 
 
-def test_overlap_scheduling_when_unset_is_on_for_cuda_and_idle_cpu_servers():
+def test_overlap_scheduling_when_unset_is_on_for_cuda_decodes_and_idle_cpu_servers():
     assert overlap_scheduling(EngineConfig(), torch.device("cuda"))
     assert not overlap_scheduling(EngineConfig(), torch.device("cpu"))
+    assert not overlap_scheduling(EngineConfig(), torch.device("cpu"), "prefill")
+    assert overlap_scheduling(EngineConfig(), torch.device("cpu"), "decode")
+    assert not overlap_scheduling(EngineConfig(disable_overlap_schedule=True), torch.device("cpu"), "decode")
     assert overlap_scheduling(EngineConfig(compute_priority="idle"), torch.device("cpu"))
     assert overlap_scheduling(EngineConfig(disable_overlap_schedule=False), torch.device("cpu"))
     assert not overlap_scheduling(EngineConfig(disable_overlap_schedule=True), torch.device("cuda"))

@@ -93,11 +93,12 @@ def test_pd_outputs_equal_the_reference(pd, hf_reference):
     assert_pd_matches_the_reference(*pd, hf_reference)
 
 
-def test_pd_outputs_equal_the_reference_with_overlap_scheduling(smollm_fp32, hf_reference):
-    """Both engines overlapped (the fixture's pair runs the plain loop, a CPU's default)."""
-    p, d, port = make_pd(smollm_fp32, disable_overlap_schedule=False)
+def test_pd_outputs_equal_the_reference_with_the_other_loops(smollm_fp32, hf_reference):
+    """The fixture's pair runs a CPU's defaults: the prefill's plain loop, the decode overlapped.
+    Here each side runs the other loop."""
+    p, d, port = make_pd(smollm_fp32, disable_overlap_schedule=False, decode_engine={"disable_overlap_schedule": True})
     try:
-        assert p.overlap and d.overlap
+        assert p.overlap and not d.overlap
         assert_pd_matches_the_reference(p, d, port, hf_reference)
     finally:
         for e in (p, d):
@@ -121,6 +122,64 @@ def assert_pd_matches_the_reference(p, d, port, hf_reference):
     assert results[1]["decode"].cached_tokens == results[1]["prefill"].cached_tokens >= 288
     assert p.snapshot.kv_transfer_bytes == d.snapshot.kv_transfer_bytes > 0
     assert_clean(p, d)
+
+
+class Gate:
+    """Wraps an engine's `runner.run`: while closed, the forward passes it is handed wait."""
+
+    def __init__(self, engine, monkeypatch):
+        self.open, self.waiting = threading.Event(), threading.Event()
+        self.open.set()
+        run = engine.runner.run
+
+        def gated(step):
+            if not self.open.is_set():
+                self.waiting.set()
+                assert self.open.wait(60)
+            return run(step)
+
+        monkeypatch.setattr(engine.runner, "run", gated)
+
+
+def next_output(stream, timeout: float):
+    """The stream's next output, or None if none came within `timeout` seconds."""
+    got = []
+    reader = threading.Thread(target=lambda: got.append(next(iter(stream))), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return got[0] if got else None
+
+
+def test_a_decode_streams_a_first_token_whose_kv_lands_mid_step(smollm_fp32, monkeypatch):
+    """The decode (overlapped, a CPU decode's default) polls for arrived KV while a step computes:
+    the first token streams while that step is still held, not after it."""
+    p, d, port = make_pd(smollm_fp32)
+    prefill_gate, decode_gate = Gate(p, monkeypatch), Gate(d, monkeypatch)
+    try:
+        assert d.overlap and not p.overlap
+        long = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+        a = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
+        a_legs = p.submit(list(range(100, 140)), long, bootstrap=a), d.submit(list(range(100, 140)), long, bootstrap=a)
+        assert next_output(a_legs[1], 60).token_ids  # the decode is running steps
+        prefill_gate.open.clear()
+        b = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
+        b_legs = p.submit(list(range(300, 400)), GREEDY, bootstrap=b), d.submit(list(range(300, 400)), GREEDY, bootstrap=b)
+        assert prefill_gate.waiting.wait(60)  # both legs met: b's prefill is held
+        decode_gate.open.clear()
+        assert decode_gate.waiting.wait(60)  # a decode step is held
+        prefill_gate.open.set()
+        first = next_output(b_legs[1], 60)
+        assert first is not None and first.token_ids and not decode_gate.open.is_set()
+        decode_gate.open.set()
+        assert b_legs[0].result().output_ids == first.token_ids
+        assert len(first.token_ids + b_legs[1].result().output_ids) == GREEDY.max_new_tokens
+        assert a_legs[1].result().finish_reason == "length"
+        assert_clean(p, d)
+    finally:
+        prefill_gate.open.set()
+        decode_gate.open.set()
+        for e in (p, d):
+            e.shutdown()
 
 
 # -- decode-side prefix reuse ----------------------------------------------------------------------
