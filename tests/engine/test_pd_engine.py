@@ -150,9 +150,10 @@ def next_output(stream, timeout: float):
     return got[0] if got else None
 
 
-def test_a_decode_streams_a_first_token_whose_kv_lands_mid_step(smollm_fp32, monkeypatch):
-    """The decode (overlapped, a CPU decode's default) polls for arrived KV while a step computes:
-    the first token streams while that step is still held, not after it."""
+def test_a_decode_registers_and_streams_while_a_step_computes(smollm_fp32, monkeypatch):
+    """The decode (overlapped, a CPU decode's default) goes on while a step computes: a new
+    request registers with its prefill, and its first token streams once its KV lands, both while
+    that step is still held."""
     p, d, port = make_pd(smollm_fp32)
     prefill_gate, decode_gate = Gate(p, monkeypatch), Gate(d, monkeypatch)
     try:
@@ -161,12 +162,12 @@ def test_a_decode_streams_a_first_token_whose_kv_lands_mid_step(smollm_fp32, mon
         a = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
         a_legs = p.submit(list(range(100, 140)), long, bootstrap=a), d.submit(list(range(100, 140)), long, bootstrap=a)
         assert next_output(a_legs[1], 60).token_ids  # the decode is running steps
+        decode_gate.open.clear()
+        assert decode_gate.waiting.wait(60)  # a decode step is held
         prefill_gate.open.clear()
         b = Bootstrap("127.0.0.1", port, random.randrange(1 << 31))
         b_legs = p.submit(list(range(300, 400)), GREEDY, bootstrap=b), d.submit(list(range(300, 400)), GREEDY, bootstrap=b)
-        assert prefill_gate.waiting.wait(60)  # both legs met: b's prefill is held
-        decode_gate.open.clear()
-        assert decode_gate.waiting.wait(60)  # a decode step is held
+        assert prefill_gate.waiting.wait(60)  # the decode registered b: its prefill runs (held)
         prefill_gate.open.set()
         first = next_output(b_legs[1], 60)
         assert first is not None and first.token_ids and not decode_gate.open.is_set()
