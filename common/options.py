@@ -24,14 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls, defaults: dict | None = 
             continue
         default = (defaults or {}).get(f.name, f.default)
         hint = hints[f.name]
-        kwargs: dict = {"default": default, "help": f"{f.metadata['help']} (default: {default})"}
+        text = f.metadata["help"].replace("%", "%%")  # argparse formats help with %
+        kwargs: dict = {"default": default, "help": f"{text} (default: {default})"}
         if hint is bool or hint == bool | None:  # --x / --no-x; unset: None, the field's "decide for me"
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is typing.Literal:
             kwargs["choices"] = typing.get_args(hint)
         elif typing.get_origin(hint) is tuple:
             kwargs.update(action="append", type=typing.get_args(hint)[0], default=None,
-                          help=f"{f.metadata['help']} (repeatable; default: {default})")
+                          help=f"{text} (repeatable; default: {default})")
         else:
             args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
             kwargs["type"] = args[0]

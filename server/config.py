@@ -60,8 +60,9 @@ class EngineConfig:
     disable_overlap_schedule: bool | None = opt(
         None, "run each step's scheduling and output processing between forward passes instead of during "
               "them; unset: overlapped on CUDA, where that host work is a large share of a step, and not on a "
-              "CPU, where it is about 1% and a new prompt would wait for one more step (but with "
-              "--compute-priority idle, whose forward passes need a thread of their own)")
+              "CPU, where it is about 1% and a new prompt would wait for one more step (but for a decode, "
+              "which polls for arrived KV while a step computes, and with --compute-priority idle, whose "
+              "forward passes need a thread of their own)")
     tp_timeout: float = opt(120.0, "seconds tensor-parallel ranks wait for each other in a collective before the "
                                    "server fails (and exits) rather than hang")
     grammar_compile_timeout: float = opt(

@@ -25,11 +25,20 @@ def test_engine_flags_passed_on_to_serve_parse_there_to_the_same_config():
 @pytest.mark.parametrize("given, value", [([], None), (["--disable-overlap-schedule"], True),
                                            (["--no-disable-overlap-schedule"], False)])
 def test_an_optional_boolean_flag_stays_unset_unless_given(given, value):
-    """Unset, the engine decides (overlap scheduling: on CUDA only); either way it is passed on."""
+    """Unset, the engine decides (overlap scheduling: by device and role); either way it is passed on."""
     demo = build_parser().parse_args(["demo", *given])
     assert from_args(demo, EngineConfig).disable_overlap_schedule is value
     serve = build_parser().parse_args(["serve", *changed_engine_flags(demo)])
     assert from_args(serve, EngineConfig).disable_overlap_schedule is value
+
+
+@pytest.mark.parametrize("command", [["serve"], ["demo"], ["bench", "peers"]])
+def test_help_shows_every_flags_own_text(command, capsys):
+    """Help texts with a % in them (argparse formats help with %) read as written."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "about 1% and a new prompt" in shown and "option_strings" not in shown
 
 
 def test_sampling_flags_come_from_sampling_params_greedy_by_default():
