@@ -109,8 +109,8 @@ class KVConnector:
         return 0.0 if self._new else None
 
     def step_poll_interval(self) -> float | None:
-        """How often the overlapped loop polls while it waits for a step's output (None: only
-        between steps): for work outside the engine that would otherwise wait a step."""
+        """How often the overlapped loop polls this connector while a step computes (None: when
+        an inbox message comes): for work outside the engine that would otherwise wait a step."""
         return None
 
     def held(self) -> list[Request]:
