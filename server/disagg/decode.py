@@ -476,8 +476,13 @@ class DecodeConnector(KVConnector):
     def has_work(self) -> bool:
         return bool(self.pending or self.quarantine)
 
+    def _awaiting_kv(self) -> bool:
+        """Requests registered with their prefill whose arrival record has not been read yet
+        (the other stages' calls wake the loop when they end)."""
+        return any(p.stage is Stage.TRANSFER for p in self.pending.values())
+
     def idle_wait(self) -> float | None:
-        if any(p.stage is Stage.TRANSFER for p in self.pending.values()):
+        if self._awaiting_kv():
             return ARRIVAL_POLL_S
         if self.has_work():
             return 0.05
@@ -487,7 +492,7 @@ class DecodeConnector(KVConnector):
     def step_poll_interval(self) -> float | None:
         # A KV that lands mid-step streams its first token now, not after the step (a decode
         # step lasts tens of milliseconds, longer while a prefill beside it holds the cores).
-        return ARRIVAL_POLL_S if self.pending else None
+        return ARRIVAL_POLL_S if self._awaiting_kv() else None
 
     def drained(self) -> bool:
         return not self.pending

@@ -320,7 +320,6 @@ def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_h
     assert not thread.is_alive()
 
 
-
 @pytest.mark.parametrize("plain", [False, True], ids=["overlap", "plain"])
 def test_compute_priority_idle_puts_the_forward_pass_thread_alone_under_sched_idle(make_engine, plain):
     """`--compute-priority idle` (a decode sharing its cores with a prefill): the thread that
