@@ -36,7 +36,10 @@ class EngineConfig:
     )
     max_running_requests: int = opt(64, "requests that may hold a slot (prefilling or decoding) at once")
     max_queued_requests: int = opt(1024, "requests that may wait beyond the running ones; more are refused")
-    max_prefill_tokens: int = opt(8192, "prompt tokens admitted into one forward pass")
+    max_prefill_tokens: int | None = opt(
+        None, "prompt tokens admitted into one forward pass (the first prompt may exceed it); unset: 8192 on CUDA, "
+              "256 on a CPU, whose products are compute-bound from a few hundred rows on: a bigger batch makes no "
+              "pass faster, it only makes the first prompt wait for the others")
     chunked_prefill_size: int = opt(2048, "longest prompt piece prefilled in one step; 0 disables chunking")
     enable_mixed_chunk: bool = opt(False, "run a prefill chunk in the same forward pass as the running decodes")
     schedule_policy: Literal["fcfs", "lpm"] = opt("fcfs", "waiting-queue order: first come, or longest prefix match")
@@ -79,7 +82,7 @@ class EngineConfig:
             ("page_size", self.page_size >= 1, ">= 1"),
             ("max_running_requests", self.max_running_requests >= 1, ">= 1"),
             ("max_queued_requests", self.max_queued_requests >= 0, ">= 0"),
-            ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
+            ("max_prefill_tokens", self.max_prefill_tokens is None or self.max_prefill_tokens >= 1, ">= 1"),
             ("chunked_prefill_size", self.chunked_prefill_size == 0 or self.chunked_prefill_size >= self.page_size,
              f"0 (disabled) or >= page_size ({self.page_size})"),
             ("kv_memory_fraction", 0.0 < self.kv_memory_fraction < 1.0, "in (0, 1)"),

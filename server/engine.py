@@ -61,6 +61,7 @@ from tandem.server.output_processor import OutputProcessor
 from tandem.server.parallel.group import threads_per_rank
 from tandem.server.parallel.workers import RankPool, RankSpec
 from tandem.server.plan import StepOutput, StepPlan
+from tandem.server.policy import prefill_tokens_per_pass
 from tandem.server.request import Bootstrap, Finish
 from tandem.server.runner import ModelRunner
 from tandem.server.sampling_params import SamplingParams
@@ -171,9 +172,11 @@ class Engine:
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
+        prefill_tokens, why = prefill_tokens_per_pass(c.max_prefill_tokens, self.model.device.type)
+        log.info("max prefill tokens %d (%s)", prefill_tokens, why)
         return SchedulerConfig(
             max_running_requests=c.max_running_requests,
-            max_prefill_tokens=c.max_prefill_tokens,
+            max_prefill_tokens=prefill_tokens,
             chunked_prefill_size=c.chunked_prefill_size,
             enable_mixed_chunk=c.enable_mixed_chunk,
             schedule_policy=c.schedule_policy,

@@ -145,7 +145,7 @@ def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, to
         "context_length": engine.context_length,
         "max_total_tokens": engine.max_total_tokens,
         "max_running_requests": c.max_running_requests,
-        "max_prefill_tokens": c.max_prefill_tokens,
+        "max_prefill_tokens": engine.scheduler.config.max_prefill_tokens,
         "chunked_prefill_size": c.chunked_prefill_size,
         "schedule_policy": c.schedule_policy,
         "disable_radix_cache": c.disable_radix_cache,

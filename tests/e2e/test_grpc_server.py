@@ -241,6 +241,7 @@ def test_health_and_info(server, stub):
     args = stub.GetServerInfo(pb.GetServerInfoRequest()).server_args
     assert args["page_size"] == 16 and args["disaggregation_mode"] == "null" and args["max_total_tokens"] == POOL
     assert args["grammar_backend"] == "xgrammar"  # structured output (the protocol has no field of its own)
+    assert args["max_prefill_tokens"] == 256  # unset: resolved for a CPU, and reported as resolved
     load = stub.GetLoads(pb.GetLoadsRequest(include=["all"]))
     assert load.dp_rank_count == 1 and load.loads[0].max_total_num_tokens == POOL
 

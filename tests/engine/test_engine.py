@@ -212,6 +212,7 @@ def test_invalid_engine_config_names_the_flag():
         (dict(chunked_prefill_size=8, page_size=16), "--chunked-prefill-size"),
         (dict(kv_memory_fraction=1.5), "--kv-memory-fraction"),
         (dict(max_running_requests=0), "--max-running-requests"),
+        (dict(max_prefill_tokens=0), "--max-prefill-tokens"),
         (dict(compute_priority="idle", tp_size=3), "--compute-priority"),
     ]:
         with pytest.raises(ValueError, match=flag):

@@ -8,6 +8,7 @@ import pytest
 
 from tandem.server.memory import KVMemory
 from tandem.server.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
+from tandem.server.policy import CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS, prefill_tokens_per_pass
 from tandem.server.request import Finish, Request, Status
 from tandem.server.sampling_params import SamplingParams
 from tandem.server.scheduler import Scheduler, SchedulerConfig
@@ -177,6 +178,24 @@ def test_one_prompt_may_exceed_max_prefill_tokens():
     assert [(s.rid, len(s.token_ids)) for s in first.seqs] == [("long", 30)]
     assert [r.rid for r in sched.waiting] == ["short"]
     run_to_completion(sched, runner)
+
+
+def test_prefill_tokens_per_pass_when_unset_is_a_few_hundred_on_a_cpu():
+    """A CPU's products run at their peak from a few hundred rows on: two long prompts go one per
+    pass, so the first one's first token does not wait for the second; short ones still share."""
+    assert prefill_tokens_per_pass(None, "cpu")[0] == CPU_PREFILL_TOKENS == 256
+    assert prefill_tokens_per_pass(None, "cuda")[0] == GPU_PREFILL_TOKENS == 8192
+    assert prefill_tokens_per_pass(100_000, "cpu") == (100_000, "asked for")
+    sched = make_scheduler(max_prefill_tokens=CPU_PREFILL_TOKENS)
+    long = [make_request(f"long{i}", [100 + i] * 200) for i in range(2)]
+    short = [make_request(f"short{i}", [200 + i] * 20) for i in range(3)]
+    for req in long + short:
+        sched.add(req)
+    runner = FakeRunner(4)
+    assert [s.rid for s in step(sched, runner).seqs] == ["long0"]
+    assert [s.rid for s in step(sched, runner).seqs] == ["long1", "short0", "short1"]
+    run_to_completion(sched, runner)
+    assert all(len(outputs(r)) == 4 for r in long + short)
 
 
 def test_max_running_requests_caps_running():
