@@ -384,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     bpeers.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
     bpeers.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     bpeers.add_argument("--workload-seed", type=int, default=1)
+    bpeers.add_argument("--rounds", type=int, default=1,
+                        help="runs of the loaded workload per system, each with new prompts (seeds +1000, +2000, ...: "
+                             "no prefix cache hits); the figures cover them all")
     bpeers.add_argument("--vllm-dtype", action="append", choices=["bfloat16", "float32"],
                         help="vLLM dtypes to run, each its own server (default: both; its best counts)")
     bpeers.add_argument("--skip-vllm", action="store_true", help="tandem only")

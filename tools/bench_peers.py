@@ -175,14 +175,15 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
             proc.wait()
 
 
-def measure(target: str, model_name: str, tokenizer, work, work_c1, concurrency: int) -> dict:
+def measure(target: str, model_name: str, tokenizer, works: list, work_c1, concurrency: int) -> dict:
+    """`works`: the loaded workload's rounds, run in turn; then `work_c1` one request at a time."""
     run_one, _ = openai_runner(target, model_name, tokenizer)
-    run_one(work[0][0][:16], 4)  # warm-up
-    loaded = drive(run_one, work, concurrency)
+    run_one(works[0][0][0][:16], 4)  # warm-up
+    loaded = drive(run_one, works[0], concurrency, *works[1:])
     single = drive(run_one, work_c1, 1)
     return {
         "tokens_per_s": loaded["output_tokens_per_s"], "ttft_p50_s": loaded["ttft_p50_s"],
-        "ttft_p99_s": loaded["ttft_p99_s"], "tpot_p50_ms": loaded["tpot_p50_ms"],
+        "ttft_mean_s": loaded["ttft_mean_s"], "ttft_p99_s": loaded["ttft_p99_s"], "tpot_p50_ms": loaded["tpot_p50_ms"],
         "tpot_c1_ms": single["tpot_p50_ms"], "ttft_c1_s": single["ttft_p50_s"],
     }
 
@@ -195,7 +196,10 @@ def run(args, engine_args: list[str]) -> int:
     home = Path(args.home).expanduser()
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-peers-"))
     logs.mkdir(parents=True, exist_ok=True)
-    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds={args.rounds} is invalid: must be >= 1")
+    works = [make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                           args.workload_seed + 1000 * i) for i in range(args.rounds)]
     work_c1 = make_workload(args.c1_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed + 1)
     tokenizer = load_tokenizer(resolve_model(args.model))
     threads = os.cpu_count() or 1
@@ -220,7 +224,7 @@ def run(args, engine_args: list[str]) -> int:
             proc = start_vllm(python, model_dir, dtype, threads, port, log_path)
             try:
                 wait_http_ready(f"http://127.0.0.1:{port}/v1/models", proc, log_path)
-                results[name] = measure(f"127.0.0.1:{port}", "smollm2", tokenizer, work, work_c1, args.concurrency)
+                results[name] = measure(f"127.0.0.1:{port}", "smollm2", tokenizer, works, work_c1, args.concurrency)
             finally:
                 stop(proc)
             print(json.dumps({"bench": "peers", "system": name, **results[name]}), flush=True)
@@ -234,7 +238,7 @@ def run(args, engine_args: list[str]) -> int:
             stack.start_servers(roles)
             stack.wait()
             base = stack.start_router()
-            results[name] = measure(base.removeprefix("http://"), stack.model_name, tokenizer, work, work_c1,
+            results[name] = measure(base.removeprefix("http://"), stack.model_name, tokenizer, works, work_c1,
                                     args.concurrency)
         print(json.dumps({"bench": "peers", "system": name, **results[name]}), flush=True)
 
@@ -249,7 +253,7 @@ def table(results: dict[str, dict], machine: dict, args) -> str:
     best = {}
     if vllm:
         best = {"tokens_per_s": max(v["tokens_per_s"] for v in vllm.values()),
-                **{k: min(v[k] for v in vllm.values()) for k in ("ttft_p50_s", "tpot_p50_ms", "tpot_c1_ms")}}
+                **{k: min(v[k] for v in vllm.values()) for k in ("ttft_p50_s", "ttft_mean_s", "tpot_p50_ms", "tpot_c1_ms")}}
 
     def cell(name: str, key: str, fmt: str) -> str:
         value = results[name][key]
@@ -262,17 +266,19 @@ def table(results: dict[str, dict], machine: dict, args) -> str:
         f"CPU flags: {' '.join(machine['cpu_flags'])}; {machine['cores']} cores; read bandwidth "
         f"{machine['read_gb_s']} GB/s; a decode step streams {machine['decode_weight_mb']} MB of {machine['weights']} "
         f"weights: single-stream floor {machine['tpot_floor_ms']} ms",
-        f"workload: {args.num_requests} requests at concurrency {args.concurrency}, then {args.c1_requests} at "
+        f"workload: {args.num_requests} requests at concurrency {args.concurrency}"
+        f"{f' ({args.rounds} rounds of new prompts)' if args.rounds > 1 else ''}, then {args.c1_requests} at "
         f"concurrency 1; prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
         f"{args.output_len[1]} tokens, seed {args.workload_seed}; ratios against vLLM's best figure",
         "",
-        "| system | output tok/s (c%d) | TTFT p50 | TPOT p50 (c%d) | TPOT (c1) | TPOT (c1) / floor |" % (
+        "| system | output tok/s (c%d) | TTFT p50 | TTFT mean | TPOT p50 (c%d) | TPOT (c1) | TPOT (c1) / floor |" % (
             args.concurrency, args.concurrency),
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         lines.append(
             f"| {name} | {cell(name, 'tokens_per_s', '{:.1f}')} | {cell(name, 'ttft_p50_s', '{:.3f} s')} | "
+            f"{cell(name, 'ttft_mean_s', '{:.3f} s')} | "
             f"{cell(name, 'tpot_p50_ms', '{:.1f} ms')} | {cell(name, 'tpot_c1_ms', '{:.1f} ms')} | "
             f"{r['tpot_c1_ms'] / machine['tpot_floor_ms']:.2f}x |"
         )

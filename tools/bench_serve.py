@@ -81,23 +81,27 @@ def run(args) -> int:
     return 0
 
 
-def drive(run_one, work: list, concurrency: int) -> dict:
-    """Run the workload at a fixed concurrency; throughput, TTFT and TPOT percentiles."""
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        samples = list(pool.map(lambda w: run_one(*w), work))
-    elapsed = time.perf_counter() - start
+def drive(run_one, work: list, concurrency: int, *more: list) -> dict:
+    """Run the workload at a fixed concurrency, then each of `more` in turn; throughput over the
+    whole time, TTFT and TPOT percentiles over every request."""
+    samples, elapsed = [], 0.0
+    for batch in (work, *more):
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            samples += pool.map(lambda w: run_one(*w), batch)
+        elapsed += time.perf_counter() - start
     tokens = sum(s.output_tokens for s in samples)
     ttfts = [s.ttft for s in samples]
     tpots = [s.tpot for s in samples if s.tpot is not None]
     return {
-        "num_requests": len(work),
+        "num_requests": len(samples),
         "concurrency": concurrency,
         "output_tokens": tokens,
         "seconds": round(elapsed, 2),
         "output_tokens_per_s": round(tokens / elapsed, 1),
         "ttft_p50_s": round(percentile(ttfts, 50), 3),
         "ttft_p99_s": round(percentile(ttfts, 99), 3),
+        "ttft_mean_s": round(statistics.mean(ttfts), 3),
         "tpot_p50_ms": round(percentile(tpots, 50) * 1000, 1),
         "tpot_p99_ms": round(percentile(tpots, 99) * 1000, 1),
         "tpot_mean_ms": round(statistics.mean(tpots) * 1000, 1),

@@ -5,15 +5,16 @@ from __future__ import annotations
 from argparse import Namespace
 
 from tandem.tools.bench_peers import cpu_flags, table
+from tandem.tools.bench_serve import Sample, drive
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
-                 workload_seed=1)
+                 workload_seed=1, rounds=1)
 MACHINE = {"cpu_flags": ["avx2"], "cores": 2, "read_gb_s": 25.0, "weights": "float32", "decode_weight_mb": 500.0,
            "tpot_floor_ms": 20.0}
 
 
 def figures(tok_s, ttft, tpot, tpot_c1):
-    return {"tokens_per_s": tok_s, "ttft_p50_s": ttft, "ttft_p99_s": 2 * ttft, "tpot_p50_ms": tpot,
+    return {"tokens_per_s": tok_s, "ttft_p50_s": ttft, "ttft_mean_s": 1.5 * ttft, "ttft_p99_s": 2 * ttft, "tpot_p50_ms": tpot,
             "tpot_c1_ms": tpot_c1, "ttft_c1_s": ttft}
 
 
@@ -27,6 +28,7 @@ def test_ratios_are_against_the_best_vllm_figure_of_each_column():
     text = table(results, MACHINE, ARGS)
     row = next(line for line in text.splitlines() if line.startswith("| tandem |"))
     assert "90.0 (1.50x)" in row and "0.400 s (0.50x)" in row and "80.0 ms (0.80x)" in row
+    assert "| 0.600 s (0.50x) |" in row  # TTFT mean against vLLM float32's 1.2 s
     assert "30.0 ms (0.75x)" in row and "| 1.50x |" in row  # c1 TPOT over the 20 ms floor
     vllm_row = next(line for line in text.splitlines() if line.startswith("| vLLM float32 |"))
     assert "(" not in vllm_row.split("|")[2]  # vLLM's own figures carry no ratio
@@ -38,6 +40,22 @@ def test_without_vllm_there_are_no_ratios():
     text = table({"tandem": figures(90.0, 0.4, 80.0, 30.0)}, MACHINE, ARGS)
     row = next(line for line in text.splitlines() if line.startswith("| tandem |"))
     assert "x)" not in row and "1P+1D" not in text
+
+
+def test_rounds_are_pooled_and_named():
+    """Each round's requests count once, tokens/s is over the rounds' whole time, and the table
+    says how many rounds the figures cover."""
+    seen = []
+
+    def run_one(prompt, n):
+        seen.append(prompt[0])
+        return Sample(n, 0.1 * prompt[0], 0.1 * prompt[0] + 0.01 * (n - 1))
+
+    result = drive(run_one, [([1], 5), ([2], 5)], 2, [([3], 5)], [([4], 5)])
+    assert sorted(seen) == [1, 2, 3, 4] and result["num_requests"] == 4 and result["output_tokens"] == 20
+    assert result["ttft_p50_s"] == 0.2 and result["ttft_mean_s"] == 0.25 and result["tpot_p50_ms"] == 10.0
+    text = table({"tandem": figures(90.0, 0.4, 80.0, 30.0)}, MACHINE, Namespace(**{**vars(ARGS), "rounds": 3}))
+    assert "32 requests at concurrency 8 (3 rounds of new prompts)" in text
 
 
 def test_cpu_flags_name_what_this_cpu_has():
