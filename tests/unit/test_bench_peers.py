@@ -43,8 +43,8 @@ def test_without_vllm_there_are_no_ratios():
 
 
 def test_rounds_are_pooled_and_named():
-    """Each round's requests count once, tokens/s is over the rounds' whole time, and the table
-    says how many rounds the figures cover."""
+    """Every round runs, each request counts once in the figures, and the table says how many
+    rounds they cover."""
     seen = []
 
     def run_one(prompt, n):
