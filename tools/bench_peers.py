@@ -179,7 +179,8 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
 def measure(target: str, model_name: str, tokenizer, works: list, work_c1, concurrency: int) -> dict:
     """`works`: the loaded workload's rounds, run in turn; then `work_c1` one request at a time."""
     run_one, _ = openai_runner(target, model_name, tokenizer)
-    run_one(works[0][0][0][:16], 4)  # warm-up
+    first_prompt = works[0][0][0]
+    run_one(first_prompt[:16], 4)  # warm-up
     loaded = drive(run_one, works[0], concurrency, *works[1:])
     single = drive(run_one, work_c1, 1)
     return {
@@ -190,6 +191,8 @@ def measure(target: str, model_name: str, tokenizer, works: list, work_c1, concu
 
 
 def run(args, engine_args: list[str]) -> int:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds={args.rounds} is invalid: must be >= 1")
     from tandem.server.model.loader import resolve_model
     from tandem.server.tokenizer import load_tokenizer
     from tandem.tools.stack import LocalStack, free_port
@@ -197,8 +200,6 @@ def run(args, engine_args: list[str]) -> int:
     home = Path(args.home).expanduser()
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-peers-"))
     logs.mkdir(parents=True, exist_ok=True)
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds={args.rounds} is invalid: must be >= 1")
     works = [make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                            args.workload_seed + 1000 * i) for i in range(args.rounds)]
     work_c1 = make_workload(args.c1_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed + 1)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from tandem.tools.bench_peers import cpu_flags, table
+import pytest
+
+from tandem.tools.bench_peers import cpu_flags, run, table
 from tandem.tools.bench_serve import Sample, drive
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
@@ -56,6 +58,11 @@ def test_rounds_are_pooled_and_named():
     assert result["ttft_p50_s"] == 0.2 and result["ttft_mean_s"] == 0.25 and result["tpot_p50_ms"] == 10.0
     text = table({"tandem": figures(90.0, 0.4, 80.0, 30.0)}, MACHINE, Namespace(**{**vars(ARGS), "rounds": 3}))
     assert "32 requests at concurrency 8 (3 rounds of new prompts)" in text
+
+
+def test_rounds_below_one_are_refused_by_name():
+    with pytest.raises(SystemExit, match=r"--rounds=0 is invalid: must be >= 1"):
+        run(Namespace(**{**vars(ARGS), "rounds": 0}), [])
 
 
 def test_cpu_flags_name_what_this_cpu_has():
