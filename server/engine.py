@@ -120,8 +120,9 @@ class Engine:
 
     def _build(self, model: LoadedModel | None, disagg: DisaggConfig, host: str, port: int | None) -> None:
         config = self.config
-        if config.num_threads or config.tp_size > 1:
-            torch.set_num_threads(threads_per_rank(config.num_threads, config.tp_size))
+        threads, why = threads_per_rank(config.num_threads, config.tp_size, torch.get_num_threads())
+        torch.set_num_threads(threads)
+        log.info("%d torch threads%s (%s)", threads, " per rank" if config.tp_size > 1 else "", why)
         if config.tp_size > 1:
             advertise = advertise_host(disagg, host) if disagg.role != "colocated" else host
             self.ranks = RankPool(RankSpec(config.model, config.dtype, config.prefill_dtype, config.device,

@@ -3,12 +3,17 @@ layout a disaggregated peer must share to exchange pages with it."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tandem.kernels.kv_cache import PagedKVCache
+from tandem.server.cgroup import gib, memory_available
 from tandem.server.config import EngineConfig
 from tandem.server.disagg.layout import KVLayout
 from tandem.server.model import LoadedModel
+
+log = logging.getLogger("tandem.engine")
 
 
 def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) -> int:
@@ -16,22 +21,26 @@ def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) 
         return config.max_total_tokens // config.page_size
     mc = model.module.config  # this tensor-parallel rank's KV heads
     per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.compute_dtype)
-    budget = int(free_memory_bytes(model.device) * config.kv_memory_fraction)
+    free, source = free_memory_bytes(model.device)
+    budget = int(free * config.kv_memory_fraction)
     if model.device.type == "cpu":  # every rank's pool comes out of the same host memory
         budget //= model.shard.size
     # Never more than the context length times the slot count: the rest could never be used.
     cap = context_length * config.max_running_requests
-    return max(1, min(budget // per_token, cap) // config.page_size)
+    pages = max(1, min(budget // per_token, cap) // config.page_size)
+    log.info("KV pool %d tokens: --kv-memory-fraction %g of the free memory%s, %s%s", pages * config.page_size,
+             config.kv_memory_fraction, "" if model.shard.size == 1 else f" over {model.shard.size} ranks", source,
+             "" if budget // per_token < cap else f"; capped at the context length x --max-running-requests ({cap})")
+    return pages
 
 
-def free_memory_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """Bytes free for the KV pool on `device`, and where that figure comes from. On a CPU, what the
+    process's cgroup leaves (a container's memory limit), where that is less than the host's."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+        free = torch.cuda.mem_get_info(device)[0]
+        return free, f"{gib(free)} free on {device}"
+    return memory_available()
 
 
 def kv_layout(model: LoadedModel, kv: PagedKVCache) -> KVLayout:

@@ -10,13 +10,14 @@ gloo only.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tandem.server.cgroup import usable_cpus
 
 
 def backend_for(device: torch.device) -> str:
@@ -30,9 +31,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
-def threads_per_rank(num_threads: int | None, size: int) -> int:
-    """torch threads each rank runs: `num_threads` when given, else the cores shared evenly."""
-    return num_threads or max(1, (os.cpu_count() or 1) // size)
+def threads_per_rank(num_threads: int | None, size: int, default: int) -> tuple[int, str]:
+    """torch threads each rank runs, and why: `num_threads` when given; else the CPUs this process may
+    use (its affinity and its cgroup's CPU quota: a container's CPU limit) shared evenly between the
+    ranks, and for one rank no more than `default`, torch's own choice (the physical cores)."""
+    if num_threads:
+        return num_threads, "--num-threads"
+    cpus, why = usable_cpus()
+    if size > 1:
+        return max(1, cpus // size), f"{why}, shared by {size} ranks"
+    return min(cpus, default), why if cpus <= default else f"torch's default; {why}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

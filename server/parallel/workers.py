@@ -232,7 +232,7 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
     _die_with_parent(parent)
     try:
         spec: RankSpec = conn.recv()
-        torch.set_num_threads(threads_per_rank(spec.num_threads, spec.size))
+        torch.set_num_threads(threads_per_rank(spec.num_threads, spec.size, torch.get_num_threads())[0])
         device = rank_device(resolve_device(spec.device), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # kernels and the transfer engine that use "the" device
