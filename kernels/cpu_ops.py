@@ -18,12 +18,21 @@ runs), and built with -ffp-contract=off: the compiler never fuses a multiply and
 keeps apart, so element-wise steps round as torch's do. Where they cannot run (another CPU, no
 compiler, `TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch
 paths.
+
+An image builds them once (`python -m tandem.kernels.cpu_ops --install DIR`, the Dockerfile's
+server-cpu) and names DIR in `TANDEM_KERNELS_DIR`: a server there loads the library built for exactly
+its sources, flags and torch (`build_key()`), with no compiler in the image. Where DIR holds no such
+library, the kernels are built as anywhere else.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -31,7 +40,11 @@ from tandem.common.cpu import cpu_flags
 
 log = logging.getLogger("tandem.kernels")
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+NAME = "tandem_cpu_ops"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
+_LDFLAGS = ("-fopenmp",)
 _REQUIRED_FLAGS = ("avx2", "fma")
 _lock = threading.Lock()
 _why: list[str | None] = []  # filled once: None (loaded) or the reason they are unavailable
@@ -51,15 +64,59 @@ def _load() -> str | None:
     missing = [f for f in _REQUIRED_FLAGS if f not in cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    try:
-        from torch.utils.cpp_extension import load
+    if (prebuilt := prebuilt_library()) is not None:
+        import torch
 
-        load("tandem_cpu_ops", [str(s) for s in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
-             extra_ldflags=["-fopenmp"], is_python_module=False)
+        if prebuilt.exists():
+            torch.ops.load_library(str(prebuilt))
+            log.info("tandem's CPU kernels: %s, built with the image", prebuilt)
+            return None
+        log.warning("%s holds no CPU kernels built for these sources and this torch (%s): building them",
+                    prebuilt.parent, prebuilt.name)
+    try:
+        _build()
     except Exception as e:  # no compiler, no ninja: serve with the torch paths
         log.warning("tandem's CPU kernels are unavailable, using torch's: %s", e)
         return f"they did not build: {type(e).__name__}: {str(e)[:200]}"
     return None
+
+
+def _build(build_directory: Path | None = None) -> None:
+    """Build (or find in torch's extension cache) and load the library; with `build_directory`, build
+    it there, afresh."""
+    from torch.utils.cpp_extension import load
+
+    # Lists of their own: torch's builder appends to the flags it is given.
+    load(NAME, [str(s) for s in _SOURCES], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+         is_python_module=False, build_directory=str(build_directory) if build_directory else None)
+
+
+def build_key() -> str:
+    """What a built library depends on: every file of csrc/ (sources and headers), the compiler and
+    linker flags, and torch's version (whose headers and C++ ABI it is built against)."""
+    import torch
+
+    digest = hashlib.sha256(f"{torch.__version__}\0{_CFLAGS}\0{_LDFLAGS}".encode())
+    for path in sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h")):
+        digest.update(f"\0{path.name}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def prebuilt_library() -> Path | None:
+    """The library an image built for these sources, under TANDEM_KERNELS_DIR; None where it is unset."""
+    folder = os.environ.get("TANDEM_KERNELS_DIR")
+    return Path(folder) / f"{NAME}-{build_key()}.so" if folder else None
+
+
+def install(folder: Path) -> Path:
+    """Build the library afresh and put it in `folder` under its build key, for `TANDEM_KERNELS_DIR`.
+    Builds on any x86-64 machine: what the CPU can run is checked where the library is loaded."""
+    with tempfile.TemporaryDirectory() as build:
+        _build(Path(build))
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / f"{NAME}-{build_key()}.so"
+        shutil.copyfile(Path(build) / f"{NAME}.so", target)
+    return target
 
 
 def idle_compute_threads() -> int:
@@ -74,5 +131,11 @@ def idle_compute_threads() -> int:
     return torch.ops.tandem.idle_compute_threads()
 
 
-if __name__ == "__main__":  # the set-up script: build now, not in the first server that starts
-    print("tandem CPU kernels:", cpu_ops_unavailable() or "ready")
+if __name__ == "__main__":  # the set-up script and the image: build now, not in the first server that starts
+    parser = argparse.ArgumentParser(prog="python -m tandem.kernels.cpu_ops", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--install", type=Path, metavar="DIR", help="build into DIR, for TANDEM_KERNELS_DIR=DIR")
+    args = parser.parse_args()
+    if args.install:
+        print("tandem CPU kernels:", install(args.install))
+    else:
+        print("tandem CPU kernels:", cpu_ops_unavailable() or "ready")
