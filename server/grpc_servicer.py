@@ -407,12 +407,17 @@ def _event_batch(batch: EventBatch) -> common_pb2.KvEventBatch:
     return message
 
 
+# A HF model directory is also its tokenizer's: what GetTokenizer leaves out of it.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx")
+
+
 def tokenizer_archive(directory: Path) -> bytes:
-    """The tokenizer directory as a ZIP (flat, regular files only)."""
+    """The tokenizer directory as a ZIP (flat, regular files only): the tokenizer's files and the
+    model's config, never its weights."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for path in sorted(directory.iterdir()):
-            if path.is_file():
+            if path.is_file() and not path.name.startswith(".") and path.suffix not in WEIGHT_SUFFIXES:
                 zf.write(path, arcname=path.name)
     return buf.getvalue()
 

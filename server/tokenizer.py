@@ -22,24 +22,36 @@ def _offline() -> None:
 
 
 def tokenizer_dir(source: ModelSource) -> Path:
-    """A directory AutoTokenizer can load for `source` (created on first use for GGUF files)."""
+    """A directory AutoTokenizer can load for `source` (created on first use for GGUF files). For a
+    GGUF file it also holds the model's config.json, as a HF model directory does: a router takes it
+    with the tokenizer (GetTokenizer), and smg, given none, looks the model's config up on the
+    Hugging Face Hub under the tokenizer's path for every chat request (10 s each where the Hub's name
+    does not resolve, as in a cluster without egress)."""
     if source.kind == "hf":
         return source.path
     stat = source.path.stat()
     target = env.cache_dir() / "tokenizers" / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (target / "tokenizer.json").is_file():
-        return target
-    _offline()
-    from transformers import AutoTokenizer
+    if not (target / "tokenizer.json").is_file():
+        _offline()
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    tok.save_pretrained(str(tmp))
-    try:
-        tmp.rename(target)
-    except OSError:  # another process won the race; its copy is as good as ours
-        shutil.rmtree(tmp, ignore_errors=True)
+        tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not (target / "config.json").is_file():  # also for a directory cached before it had one
+        _offline()
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        fd, tmp_name = tempfile.mkstemp(dir=target, prefix=".tmp-", suffix=".json")
+        os.close(fd)
+        config.to_json_file(tmp_name)
+        os.replace(tmp_name, target / "config.json")
     return target
 
 

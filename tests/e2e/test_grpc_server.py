@@ -250,8 +250,11 @@ def test_get_tokenizer_streams_a_zip(stub):
     chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
     data = b"".join(c.data for c in chunks)
     assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and all(not c.sha256 for c in chunks[:-1])
-    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-    assert "tokenizer.json" in names and "tokenizer_config.json" in names
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(archive.namelist())
+    # The model's config comes with the tokenizer: smg would otherwise look it up on the Hub per chat request.
+    config = json.loads(archive.read("config.json"))
+    assert config["model_type"] == "llama" and config["vocab_size"] == 49152
 
 
 def test_flush_cache_and_unimplemented(stub):
