@@ -1,10 +1,14 @@
-# syntax=docker/dockerfile:1
-# Three images, built with BuildKit: `docker build --target server|router|operator .`
-#   server    `tandem serve` on CUDA: the prefill, decode or colocated pods
-#   router    `smg`, the gateway in front of the prefill and decode pools
-#   operator  `tandem operator`: turns InferenceServices into pools and a router
-# No image has been built from this file here (no Docker engine, no access to Docker Hub):
-# tests/packaging/test_dockerfile.py lints it with hadolint and checks its entry points, sources and pins.
+# Four images, built with BuildKit: `docker build --target server|server-cpu|router|operator .`
+# (scripts/build-images.sh builds router, operator and server-cpu, tagged tandem/<target>:dev)
+#   server      `tandem serve` on CUDA: the prefill, decode or colocated pods on GPU nodes
+#   server-cpu  `tandem serve` on CPUs: the same entry point, ports and user, CPU torch
+#   router      `smg`, the gateway in front of the prefill and decode pools
+#   operator    `tandem operator`: turns InferenceServices into pools and a router
+# server-cpu, router and operator are built and run by tests/images (on a stand-in for PY_IMAGE made
+# from Debian's packages where no registry can be reached: scripts/build-images.sh). The CUDA `server`
+# target has never been built: no CUDA base image can be had where tandem is developed; hadolint and
+# tests/packaging/test_dockerfile.py check it.
+# No `# syntax=` line: it makes BuildKit pull its frontend from Docker Hub; the built-in one has RUN --mount.
 # The base image tags appear in public Dockerfiles but were not pulled here, so they are not pinned
 # by digest: where Docker Hub is reachable, pin each one as TAG@sha256:DIGEST.
 ARG PY_IMAGE=python:3.11.14-slim-bookworm
@@ -56,6 +60,60 @@ USER 10001:10001
 # kopf's /healthz, Prometheus /metrics
 EXPOSE 8080 9090
 ENTRYPOINT ["tandem", "operator"]
+
+# server-cpu, in three stages: the runtime (Debian libraries, CPU torch and every Python package),
+# tandem's CPU kernels compiled against it, and the image (runtime + kernels + tandem). A change to
+# tandem's Python code rebuilds only the image's last layer; the kernels rebuild only when their
+# sources change.
+FROM ${PY_IMAGE} AS cpu-runtime
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# Mooncake's non-CUDA engine loads libibverbs, libnuma and libcurl (tandem's kernels link libgomp.so.1,
+# which torch brings and loads first). Package versions are left to the base image's Debian release.
+# /cache is HOME and XDG_CACHE_HOME (tandem's caches); pods mount an emptyDir on it.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --gid 10001 tandem \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /cache --shell /usr/sbin/nologin tandem \
+ && install -d -o 10001 -g 10001 /cache
+# The image's Python packages are exactly docker/requirements-server-cpu.txt, installed --no-deps: the
+# file holds the whole closure, less what only CUDA needs (xgrammar's triton) and what the model
+# package declares but tandem never imports (tests/packaging/test_dockerfile.py checks both).
+# torch's CPU build is not on PyPI: its wheel comes from TORCH_CPU_INDEX or from docker/wheels/, where
+# scripts/build-images.sh puts the machine's own wheel when it has one (and then names PyPI's index
+# here, which has no CPU build: the local wheel is the one that matches).
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+RUN --mount=type=bind,source=docker/wheels,target=/wheels \
+    --mount=type=bind,source=docker/requirements-server-cpu.txt,target=/tmp/requirements.txt \
+    pip install --no-deps --find-links /wheels --index-url "${TORCH_CPU_INDEX}" torch==2.13.0+cpu \
+ && pip install --no-deps -r /tmp/requirements.txt
+
+# tandem's CPU kernels (kernels/csrc), compiled here rather than in the first server that starts, from
+# their sources alone. Only this stage has a compiler.
+FROM cpu-runtime AS cpu-kernels
+ARG DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+COPY kernels/__init__.py kernels/cpu_ops.py /build/tandem/kernels/
+COPY kernels/csrc/ /build/tandem/kernels/csrc/
+COPY common/ /build/tandem/common/
+RUN PYTHONPATH=/build python -m tandem.kernels.cpu_ops --install /opt/tandem/kernels
+
+FROM cpu-runtime AS server-cpu
+COPY --from=cpu-kernels /opt/tandem/kernels/ /opt/tandem/kernels/
+# Last, because it changes most often: what it needs is installed above.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-deps /wheels/tandem-*.whl
+USER 10001:10001
+ENV HOME=/cache XDG_CACHE_HOME=/cache TANDEM_KERNELS_DIR=/opt/tandem/kernels
+# gRPC (SGLang scheduler protocol, grpc.health.v1), Prometheus /metrics, prefill bootstrap service
+EXPOSE 30000 30001 8998
+ENTRYPOINT ["tandem"]
+CMD ["serve", "--host", "0.0.0.0"]
 
 # A devel image, not runtime: FlashInfer compiles its kernels at first use (JIT), with nvcc, the
 # CUDA headers and a host C++ compiler, so they are needed at run time. Its prebuilt kernel

