@@ -50,7 +50,7 @@ def hf_reference():
     return HFReference()
 
 
-TIERS = ("unit", "engine", "e2e", "packaging")  # tests/<tier>/: each is also a marker (`pytest -m unit`)
+TIERS = ("unit", "engine", "e2e", "packaging", "images")  # tests/<tier>/: each is also a marker (`pytest -m unit`)
 
 
 def pytest_collection_modifyitems(config, items):
