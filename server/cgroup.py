@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# cgroup v1 writes "no limit" as the largest page-aligned int64.
+# cgroup v1 writes "no limit" as the largest page-aligned int64 (2**63 - 4096); no machine has 2**62 bytes.
 _V1_UNLIMITED = 2**62
 
 
@@ -69,6 +69,8 @@ def _memberships(path: Path) -> dict[str, str]:
     except OSError:
         return found
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, cgroup = line.split(":", 2)
         for controller in controllers.split(",") if controllers else [""]:
             found[controller] = cgroup
