@@ -17,7 +17,8 @@ import pytest
 
 from support.chart import render_chart
 from support.docker import REPORT
-from support.kube_emulator import ISVC, NS, URL, StampingEmulator, declare_resources, example, owned_by
+from support.kube_emulator import (ISVC, NS, URL, StampingEmulator, declare_resources, eventually, example,
+                                   owned_by)
 from support.kubelet import APIServer, Kubelet
 from tandem.operator import kube, render
 from tandem.operator.spec import POOLS, parse_spec
@@ -46,15 +47,6 @@ def tls_server(cert, key) -> type[aiohttp.test_utils.RawTestServer]:
 def insecure_client(url):
     """The test's own client of KMock (the operator verifies the certificate; the test need not)."""
     return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(ssl=False))
-
-
-async def eventually(predicate, timeout: float, what: str):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (result := predicate()):
-        assert loop.time() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        await asyncio.sleep(0.2)
-    return result
 
 
 @pytest.mark.asyncio
@@ -92,7 +84,7 @@ async def test_the_charts_operator_reconciles_an_inference_service(docker, image
                 owned = owned_by(emulator, uid)
                 return all((plural[kind], name) in owned for kind, name in desired) and owned
 
-            owned = await eventually(reconciled, 120, f"{sorted(desired)}")
+            owned = await eventually(reconciled, timeout=120, what=f"{sorted(desired)}")
             assert pod.alive() and pod.exited() is None
         finally:
             logs = pod.logs() if pod is not None else ""
