@@ -99,8 +99,10 @@ def test_two_by_two_serves_forty_concurrent_requests(stack, hf_reference):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_response_format_json_schema_through_the_pair(stack, temperature):
-    """The prefill samples the first token under the schema, the decode the rest."""
-    chat_completions_json(stack.two_by_two.post, SCHEMAS, temperature)
+    """The prefill samples the first token under the schema, the decode the rest. Every third schema
+    (objects, consts, patterns, anyOf, arrays of objects, closed objects, bounded numbers, tuples):
+    all of them run in the engine and through the colocated router; here it is the hand-off."""
+    chat_completions_json(stack.two_by_two.post, SCHEMAS[::3], temperature)
     assert_all_freed(stack.servers)
 
 
