@@ -67,12 +67,16 @@ def _load() -> str | None:
     if (prebuilt := prebuilt_library()) is not None:
         import torch
 
-        if prebuilt.exists():
-            torch.ops.load_library(str(prebuilt))
-            log.info("tandem's CPU kernels: %s, built with the image", prebuilt)
-            return None
-        log.warning("%s holds no CPU kernels built for these sources and this torch (%s): building them",
-                    prebuilt.parent, prebuilt.name)
+        if not prebuilt.exists():
+            log.warning("%s holds no CPU kernels built for these sources and this torch (%s): building them",
+                        prebuilt.parent, prebuilt.name)
+        else:
+            try:
+                torch.ops.load_library(str(prebuilt))
+                log.info("tandem's CPU kernels: %s, built with the image", prebuilt)
+                return None
+            except Exception as e:  # a library that cannot load here (a missing symbol or library)
+                log.warning("tandem's CPU kernels in %s do not load (%s): building them", prebuilt, e)
     try:
         _build()
     except Exception as e:  # no compiler, no ninja: serve with the torch paths
