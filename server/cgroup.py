@@ -9,12 +9,13 @@ pod limited to 2 CPUs would run a thread per core of the node. The limits that h
                 cpu.cfs_quota_us, cpu.cfs_period_us
 
 read from this process's cgroup (/proc/self/cgroup) where the hierarchy is mounted
-(/proc/self/mountinfo), and from every ancestor visible there: the tightest limit holds (a pod's
-limit may sit on the pod's cgroup above the container's). Memory in use is the working set, as the
-kubelet counts it: usage less the inactive page cache, which the kernel reclaims before it kills.
+(/proc/self/mountinfo), and from every ancestor visible there: the one that leaves the least room
+holds (a pod's limit may sit on the pod's cgroup above the container's, and be shared). Memory in
+use is the working set, as the kubelet counts it: usage less the inactive page cache, which the
+kernel reclaims before it kills.
 
 Everything here reads files under `root` ("/" in production; a folder laid out the same way in the
-tests), and nothing here imports torch.
+tests).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class CgroupLimits:
 
     version: int | None = None  # 1 or 2; None where no cgroup hierarchy with a controller we read is mounted
     memory_limit: int | None = None  # bytes
-    memory_in_use: int | None = None  # bytes: the working set of the cgroup whose limit holds
+    memory_in_use: int | None = None  # bytes: the working set of the cgroup whose limit leaves the least room
     cpu_quota: float | None = None  # CPUs' worth of time per period (2.5: two and a half CPUs)
 
     @property
@@ -46,8 +47,9 @@ class CgroupLimits:
 
     @property
     def cpus(self) -> int | None:
-        """Whole CPUs the quota allows (at least 1)."""
-        return None if self.cpu_quota is None else max(1, math.ceil(self.cpu_quota - 1e-9))
+        """Whole CPUs the quota allows, at least 1: a thread per CPU of time. (Rounded down: with 1.5
+        CPUs, two threads would be throttled in turn and each parallel region wait for the slower.)"""
+        return None if self.cpu_quota is None else max(1, math.floor(self.cpu_quota + 1e-9))
 
 
 def read_limits(root: Path = Path("/")) -> CgroupLimits:
@@ -146,25 +148,23 @@ def _stat(path: Path, key: str) -> int:
 
 
 def _memory(found: tuple[int, list[Path]]) -> tuple[int | None, int | None]:
-    """(limit, working set) of the tightest limit among the folders."""
+    """(limit, working set) of the folder whose limit leaves the least room: a parent's looser limit
+    can leave less than the process's own when its other members use it."""
     version, folders = found
     files = {2: ("memory.max", "memory.current", "inactive_file"),
              1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}.get(version)
     if files is None:
         return None, None
     limit_file, usage_file, inactive = files
-    best: tuple[int, Path] | None = None
+    tightest: tuple[int, int] | None = None  # (limit, working set)
     for folder in folders:
         raw = _read(folder / limit_file)
-        if raw is None or raw == "max" or not raw.isdigit() or int(raw) >= _V1_UNLIMITED:
+        if raw is None or not raw.isdigit() or int(raw) >= _V1_UNLIMITED:  # "max", unreadable or no limit
             continue
-        if best is None or int(raw) < best[0]:
-            best = (int(raw), folder)
-    if best is None:
-        return None, None
-    limit, folder = best
-    usage = int(_read(folder / usage_file) or 0)
-    return limit, max(0, usage - _stat(folder / "memory.stat", inactive))
+        working_set = max(0, int(_read(folder / usage_file) or 0) - _stat(folder / "memory.stat", inactive))
+        if tightest is None or int(raw) - working_set < tightest[0] - tightest[1]:
+            tightest = (int(raw), working_set)
+    return tightest if tightest is not None else (None, None)
 
 
 def _cpu_quota(found: tuple[int, list[Path]]) -> float | None:

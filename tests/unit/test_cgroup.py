@@ -53,7 +53,25 @@ def test_cgroup_v1_container(tmp_path):
     root = v1(tmp_path, limit=4 * GiB, usage=GiB + 300, inactive=300, quota=150000)
     assert read_limits(root) == CgroupLimits(version=1, memory_limit=4 * GiB, memory_in_use=GiB, cpu_quota=1.5)
     limits = read_limits(root)
-    assert limits.memory_available == 3 * GiB and limits.cpus == 2
+    assert limits.memory_available == 3 * GiB and limits.cpus == 1  # a thread per whole CPU of time
+
+
+def test_hybrid_layout_reads_the_v1_controllers(tmp_path):
+    """systemd's hybrid layout: the controllers on v1, an empty v2 hierarchy beside them (mounted first,
+    at /sys/fs/cgroup/unified, and holding a memory.max of its own that is not the process's limit)."""
+    root = v1(tmp_path, limit=2 * GiB, usage=GiB, inactive=0, quota=200000)
+    mountinfo = root / "proc/self/mountinfo"
+    mountinfo.write_text("78 77 0:45 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate\n" + mountinfo.read_text())
+    write(root, {"sys/fs/cgroup/unified/memory.max": f"{GiB // 2}\n", "sys/fs/cgroup/unified/cpu.max": "50000 100000\n"})
+    assert read_limits(root) == CgroupLimits(version=1, memory_limit=2 * GiB, memory_in_use=GiB, cpu_quota=2.0)
+
+
+def test_a_cgroup_outside_the_mounted_hierarchy_reads_the_mount_itself(tmp_path):
+    """Docker on cgroup v1 without a cgroup namespace mounts the container's own cgroup, while a process
+    may report a path the mount does not show: the mount's own folder is read."""
+    root = v1(tmp_path, limit=GiB, usage=0, inactive=0, quota=-1)
+    (root / "proc/self/cgroup").write_text("12:memory:/elsewhere/other\n4:cpu,cpuacct:/elsewhere/other\n")
+    assert read_limits(root).memory_limit == GiB
 
 
 def test_cgroup_v1_without_limits(tmp_path):
@@ -61,6 +79,18 @@ def test_cgroup_v1_without_limits(tmp_path):
     limits = read_limits(root)
     assert (limits.version, limits.memory_limit, limits.cpu_quota, limits.memory_available, limits.cpus) == (
         1, None, None, None, None)
+
+
+def test_a_shared_parent_with_less_room_holds(tmp_path):
+    """The container's own 3 GiB with 0.5 GiB used, under a parent's 4 GiB of which its other members
+    use 3.9: 0.1 GiB is what is left, not 2.5."""
+    parent, ctr = "/system.slice", "/system.slice/server"
+    root = v2(tmp_path, ctr, {
+        f"{parent}/memory.max": f"{4 * GiB}\n", f"{parent}/memory.current": f"{39 * GiB // 10}\n",
+        f"{ctr}/memory.max": f"{3 * GiB}\n", f"{ctr}/memory.current": f"{GiB // 2}\n",
+    })
+    limits = read_limits(root)
+    assert (limits.memory_limit, limits.memory_available) == (4 * GiB, 4 * GiB - 39 * GiB // 10)
 
 
 def test_cgroup_v2_the_tightest_limit_of_the_ancestors_holds(tmp_path):
