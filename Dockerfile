@@ -50,12 +50,13 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # the operator never imports (import-linter's contracts in pyproject.toml keep it so). What
 # `tandem operator` imports is installed instead: kopf, kubernetes, PyYAML, prometheus-client.
 # The constraints file pins their dependencies.
-RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    --mount=type=bind,source=docker/constraints-operator.txt,target=/tmp/constraints.txt \
+RUN --mount=type=bind,source=docker/constraints-operator.txt,target=/tmp/constraints.txt \
     pip install -c /tmp/constraints.txt kopf==1.45.2 kubernetes==37.0.2 PyYAML==6.0.3 prometheus-client==0.26.0 \
- && pip install --no-deps /wheels/tandem-*.whl \
  && groupadd --gid 10001 tandem \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin tandem
+# Last, because it changes most often: what it needs is installed above.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-deps /wheels/tandem-*.whl
 USER 10001:10001
 # kopf's /healthz, Prometheus /metrics
 EXPOSE 8080 9090
@@ -63,8 +64,8 @@ ENTRYPOINT ["tandem", "operator"]
 
 # server-cpu, in three stages: the runtime (Debian libraries, CPU torch and every Python package),
 # tandem's CPU kernels compiled against it, and the image (runtime + kernels + tandem). A change to
-# tandem's Python code rebuilds only the image's last layer; the kernels rebuild only when their
-# sources change.
+# tandem's Python code rebuilds only the image's last layer; the kernels rebuild only when what builds
+# them changes (kernels/csrc, kernels/cpu_ops.py, common/cpu.py).
 FROM ${PY_IMAGE} AS cpu-runtime
 ARG DEBIAN_FRONTEND=noninteractive
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -100,7 +101,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY kernels/__init__.py kernels/cpu_ops.py /build/tandem/kernels/
 COPY kernels/csrc/ /build/tandem/kernels/csrc/
-COPY common/ /build/tandem/common/
+COPY common/__init__.py common/cpu.py /build/tandem/common/
 RUN PYTHONPATH=/build python -m tandem.kernels.cpu_ops --install /opt/tandem/kernels
 
 FROM cpu-runtime AS server-cpu

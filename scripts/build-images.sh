@@ -44,7 +44,8 @@ read -r D buildx <<<"$client"
 "$D" info >/dev/null 2>&1 || die "no Docker engine answers ($D, ${DOCKER_HOST:-unix:///var/run/docker.sock}). Start one, e.g. as root: dockerd --iptables=false --bridge=none (Debian's docker.io)"
 
 context=$(mktemp -d)  # the base targets' build context: nothing, or the CA bundle
-trap 'rm -rf "$context"' EXIT
+rootfs=""             # debootstrap's folder while the stand-in is made (root's)
+trap 'rm -rf "$context"; if [ -n "$rootfs" ]; then as_root rm -rf "$rootfs"; fi' EXIT
 
 build() {  # docker build with BuildKit, on the host's network (a daemon may run without a bridge)
   if [ -n "${buildx:-}" ]; then "$D" buildx build --load --network host --progress plain "$@"
@@ -54,12 +55,12 @@ has_image() { "$D" image inspect "$1" >/dev/null 2>&1; }
 label() { "$D" image inspect -f "{{index .Config.Labels \"$2\"}}" "$1" 2>/dev/null || true; }
 
 standin() {  # a stand-in for python:3.11-slim-bookworm from Debian's packages; reused while its recipe holds
-  local recipe rootfs
+  local recipe
   recipe=$(sha256sum docker/base.Dockerfile | cut -c1-16)
   if [ "$(label "$STANDIN" dev.tandem.recipe)" = "$recipe" ]; then return; fi
   if ! has_image "$ROOTFS"; then
     command -v debootstrap >/dev/null 2>&1 || { as_root apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends debootstrap >/dev/null; }
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null; }
     rootfs=$(mktemp -d)
     say "debootstrap bookworm from $DEBIAN_MIRROR"
     as_root debootstrap --variant=minbase bookworm "$rootfs" "$DEBIAN_MIRROR" >/dev/null
@@ -68,7 +69,7 @@ standin() {  # a stand-in for python:3.11-slim-bookworm from Debian's packages; 
     as_root tar -C "$rootfs" --exclude='./var/cache/apt/archives/*.deb' --exclude='./var/cache/apt/*.bin' \
       --exclude='./var/lib/apt/lists/*' --exclude='./usr/share/man/*' --exclude='./usr/share/info/*' \
       --exclude='./usr/share/locale/*' -c . | "$D" import - "$ROOTFS" >/dev/null
-    as_root rm -rf "$rootfs"
+    as_root rm -rf "$rootfs" && rootfs=""
   fi
   build -f docker/base.Dockerfile --target standin --build-arg FROM_IMAGE="$ROOTFS" \
     --label dev.tandem.recipe="$recipe" -t "$STANDIN" "$context" >&2
