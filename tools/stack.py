@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.server.cgroup import usable_cpus
+
 
 # Ports for the servers a stack starts: below Linux's ephemeral range (32768-60999 by default), from
 # which the kernel also picks the local ports of outgoing connections. A port bind(0) returned there
@@ -187,7 +189,7 @@ class LocalStack:
         parallel regions. Decodes beside prefills take the cores too, at `--compute-priority
         idle`: a prefill's forward pass goes first, as a colocated server's prefills pause its
         decodes, and the decodes compute in the time it leaves (measured in the README)."""
-        cores = os.cpu_count() or 1
+        cores = usable_cpus()[0]  # in a container, what its CPU limit allows
         given = {a.split("=")[0] for a in self.engine_args}
         servers = []
         for role in roles:

@@ -53,8 +53,9 @@ def layers(docker, image: str) -> list[str]:
 
 
 def test_a_code_change_rebuilds_only_the_last_layer(docker, images, tmp_path):
-    """The repository copied as it is (tracked and untracked files, torch's wheel), one line added to
-    the engine, the server image built from the copy: every layer but the last is the one already built."""
+    """The repository copied as it is (tracked and untracked files, torch's wheel), a line added to the
+    engine and to a module of common/ that the kernels do not build from, the operator and server images
+    built from the copy: every layer of each but the last is the one already built (the kernels too)."""
     copy = tmp_path / "repo"
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                            capture_output=True, text=True, check=True).stdout.split("\0")
@@ -65,27 +66,30 @@ def test_a_code_change_rebuilds_only_the_last_layer(docker, images, tmp_path):
             os.link(REPO / name, copy / name)
         except OSError:
             shutil.copy2(REPO / name, copy / name)
-    engine = copy / "server" / "engine.py"
-    engine.unlink()  # a file of its own, not the repository's through the hard link
-    engine.write_text((REPO / "server" / "engine.py").read_text() + "# a change\n")
-    tag = f"{TAG}-changed"
+    for changed in ("server/engine.py", "common/stats.py"):
+        (copy / changed).unlink()  # a file of its own, not the repository's through the hard link
+        (copy / changed).write_text((REPO / changed).read_text() + "# a change\n")
+    tag, targets = f"{TAG}-changed", ("operator", "server-cpu")
     proc = subprocess.run(["bash", str(copy / "scripts" / "build-images.sh")], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "DOCKER": docker.client, "TAG": tag, "TARGETS": "server-cpu"})
+                          env={**os.environ, "DOCKER": docker.client, "TAG": tag, "TARGETS": " ".join(targets)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     try:
-        before, after = layers(docker, images["server-cpu"]), layers(docker, f"tandem/server-cpu:{tag}")
-        assert len(before) == len(after) and before[:-1] == after[:-1] and before[-1] != after[-1]
+        for target in targets:
+            before, after = layers(docker, images[target]), layers(docker, f"tandem/{target}:{tag}")
+            assert len(before) == len(after) and before[:-1] == after[:-1] and before[-1] != after[-1], target
     finally:
-        docker.run("rmi", f"tandem/server-cpu:{tag}", check=False)
+        for target in targets:
+            docker.run("rmi", f"tandem/{target}:{tag}", check=False)
 
 
 def test_server_image_resolves_every_shared_library(docker, images):
     """Every native library of the image's Python packages finds what it links, on the system or in a
     package that loads it first (tvm_ffi's for xgrammar). A missing Debian library shows otherwise only
     when a server first imports the module: Mooncake's libcurl did."""
-    script = ("find /opt/python/lib -name '*.so*' -type f | while read -r f; do "
+    script = ("site=$(python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'); "
+              "find \"$site\" -name '*.so*' -type f | while read -r f; do "
               "ldd \"$f\" 2>/dev/null | sed -n \"s|^\\s*\\(\\S*\\) => not found|\\1 $f|p\"; done; "
-              "echo ---; find /opt/python/lib -name '*.so*' -printf '%f\\n'")
+              "echo ---; find \"$site\" -name '*.so*' -printf '%f\\n'")
     out = docker.run("run", "--rm", "--entrypoint", "sh", images["server-cpu"], "-c", script, timeout=300).stdout
     missing, _, bundled = out.partition("---\n")
     unresolved = [line for line in missing.splitlines() if line.split()[0] not in set(bundled.split())]

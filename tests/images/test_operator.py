@@ -16,7 +16,7 @@ import kmock
 import pytest
 
 from support.chart import render_chart
-from support.docker import REPORT
+from support.docker import REPORT, TAG
 from support.kube_emulator import (ISVC, NS, URL, StampingEmulator, declare_resources, eventually, example,
                                    owned_by)
 from support.kubelet import APIServer, Kubelet
@@ -51,9 +51,9 @@ def insecure_client(url):
 
 @pytest.mark.asyncio
 async def test_the_charts_operator_reconciles_an_inference_service(docker, images, network, tmp_path):
-    values = {"operator": {"image": {"repository": images["operator"].split(":")[0], "tag": "dev",
+    values = {"operator": {"image": {"repository": images["operator"].rpartition(":")[0], "tag": TAG,
                                      "pullPolicy": "IfNotPresent"}},
-              "routerImage": {"repository": images["router"].split(":")[0], "tag": "dev"}}
+              "routerImage": {"repository": images["router"].rpartition(":")[0], "tag": TAG}}
     (deployment,) = [d for d in render_chart(values) if d["kind"] == "Deployment"]
     cert, key = certificate(tmp_path, network.gateway)
     async with StampingEmulator() as emulator, kmock.Server(emulator, host=network.gateway, port=0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import re
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import pytest
@@ -21,7 +22,7 @@ from support.kubelet import Kubelet, Pod, PodFailed
 from tandem.operator import render
 from tandem.operator.spec import POOLS, parse_spec
 from tandem.tools.client import stream_openai
-from tandem.tools.stack import LocalStack
+from tandem.tools.stack import LocalStack, metric_value
 
 NAME, NAMESPACE = "smollm2", "default"
 CPUS, MEMORY = "1", "3Gi"
@@ -117,6 +118,9 @@ def stack(images, kubelet, tmp_path_factory) -> Stack:
 
 
 def test_every_pod_runs_as_rendered_and_is_ready_and_live(stack, docker):
+    """Docker ran each container with exactly its rendered command and args (the kubelet's override of
+    the image's entry point and command, `$(POD_IP)` expanded), as the rendered user, and its probes
+    pass."""
     for role, pod in stack.pods.items():
         assert pod.probe(pod.container["readinessProbe"]) and pod.alive(), role
         assert int(docker("exec", pod.docker_name, "id", "-u")) == render.SERVER_UID, role
@@ -125,11 +129,22 @@ def test_every_pod_runs_as_rendered_and_is_ready_and_live(stack, docker):
         assert [ran["Path"], *ran["Args"]] == rendered, role
 
 
+def kv_bytes_sent(pod: Pod) -> float:
+    with urllib.request.urlopen(f"http://{pod.ip}:{render.METRICS_PORT}/metrics", timeout=10) as r:
+        return metric_value(r.read().decode(), "tandem_kv_transfer_bytes_total")
+
+
 def test_chat_through_the_router_is_token_identical_to_the_local_stack(stack):
+    """The KV moved from the prefill's container to the decode's over Mooncake TCP, each at its own
+    address."""
+    sent = kv_bytes_sent(stack.pods["prefill"])
     text, tokens, ttft = stack.chat()
     ref_text, ref_tokens, ref_ttft = stack.reference
     REPORT["TTFT, one chat (containers / local stack)"] = f"{ttft * 1000:.0f} ms / {ref_ttft * 1000:.0f} ms"
     assert (text, tokens) == (ref_text, ref_tokens) and tokens == NEW_TOKENS
+    assert kv_bytes_sent(stack.pods["prefill"]) > sent
+    for role in POOLS:
+        assert re.search(rf"Mooncake session {re.escape(stack.pods[role].ip)}:\d+ \(tcp\)", stack.pods[role].logs()), role
 
 
 def test_servers_size_themselves_from_the_container_limits(stack):

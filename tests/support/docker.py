@@ -29,11 +29,9 @@ class DockerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Docker:
-    """One docker client; `buildx` where it builds through the buildx plugin (scripts/build-images.sh
-    picks the same way)."""
+    """One docker client, driven through its command line."""
 
     client: str
-    buildx: bool = False
 
     def run(self, *args: str, check: bool = True, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess:
         proc = subprocess.run([self.client, *args], capture_output=True, text=True, timeout=timeout, input=input)
@@ -56,44 +54,44 @@ class Docker:
 
 
 def pick_client() -> Docker | None:
-    """The first client that builds with BuildKit: one with the buildx plugin, or one older than 23.0
-    (Debian's docker.io 20.10), whose own builder is BuildKit."""
+    """The first client that builds with BuildKit, as scripts/build-images.sh picks it: one with the
+    buildx plugin, or one older than 23.0 (Debian's docker.io 20.10), whose own builder is BuildKit."""
     for name in (os.environ.get("DOCKER"), "docker", "/usr/bin/docker"):
         path = shutil.which(name) if name else None
         if path is None:
             continue
         if subprocess.run([path, "buildx", "version"], capture_output=True).returncode == 0:
-            return Docker(path, buildx=True)
+            return Docker(path)
         version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
         if (m := re.match(r"Docker version (\d+)\.", version)) and int(m[1]) < 23:
             return Docker(path)
     return None
 
 
-def _as_root(*cmd: str) -> list[str]:
-    return list(cmd) if os.geteuid() == 0 else ["sudo", "-n", *cmd]
-
-
 @contextmanager
 def engine(log_dir: Path):
     """A Docker engine that answers: the running one, or dockerd started here (Debian's docker.io
-    installed first where missing) and stopped on exit. As the project's machines run it: no iptables
-    rules, no default bridge; the tests make networks of their own."""
+    installed first where missing) and stopped on exit, which takes root. As the project's machines run
+    it: no iptables rules, no default bridge; the tests make networks of their own."""
     docker = pick_client()
     if docker is not None and docker.answers():
         yield docker
         return
+    if os.geteuid() != 0:
+        raise DockerError("no Docker engine answers this user, and starting one (after installing Debian's "
+                          "docker.io) takes root: run the images tier as root, or start dockerd and give this "
+                          "user its socket")
     if shutil.which("dockerd") is None or docker is None:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "docker.io"]):
-            proc = subprocess.run(_as_root(*cmd), capture_output=True, text=True, env=env, timeout=600)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
             if proc.returncode != 0:
-                raise DockerError(f"no Docker engine answers, and installing Debian's docker.io failed "
-                                  f"(needs root or passwordless sudo): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+                raise DockerError(f"no Docker engine answers, and installing Debian's docker.io failed: "
+                                  f"{' '.join(cmd)}\n{proc.stderr[-2000:]}")
         docker = pick_client()
         assert docker is not None, "docker.io installed, yet no client that builds with BuildKit"
     log = open(log_dir / "dockerd.log", "w")
-    daemon = subprocess.Popen(_as_root("dockerd", "--iptables=false", "--bridge=none"), stdout=log, stderr=subprocess.STDOUT)
+    daemon = subprocess.Popen(["dockerd", "--iptables=false", "--bridge=none"], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while not docker.answers():

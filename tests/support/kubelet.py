@@ -10,7 +10,8 @@ the kubelet runs them from the node.
 Replaced, and only these: the pod network (a Docker network of the test's own, an address per pod)
 and cluster DNS (each pod answers on that network to the DNS names the caller gives it: a
 StatefulSet pod's stable name, a Service's name). A field this module cannot run as written is an
-error, never ignored."""
+error (`check_fields`), never ignored; what matters only to a scheduler (requests, node selectors,
+tolerations, affinity) is accepted and has no effect on one machine."""
 
 from __future__ import annotations
 
@@ -28,15 +29,51 @@ from kubernetes.utils import parse_quantity
 from support.docker import Docker, DockerError, Network
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-# What a pod spec may hold that this module runs (or that changes nothing on one node).
+# What a pod may hold, field by field, that this module runs (scheduling fields, which change nothing on
+# one node, included: node selectors, tolerations, affinity, resource requests, pull secrets). Anything
+# else is refused rather than ignored.
 POD_FIELDS = {"containers", "volumes", "securityContext", "terminationGracePeriodSeconds", "enableServiceLinks",
               "serviceAccountName", "nodeSelector", "tolerations", "affinity", "imagePullSecrets"}
 CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "command", "args", "env", "ports", "resources", "volumeMounts",
                     "securityContext", "startupProbe", "readinessProbe", "livenessProbe"}
+POD_SECURITY = {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "supplementalGroups", "seccompProfile"}
+CONTAINER_SECURITY = {"runAsUser", "runAsGroup", "runAsNonRoot", "readOnlyRootFilesystem", "allowPrivilegeEscalation",
+                      "capabilities", "seccompProfile"}
+PROBE_TIMING = {"initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failureThreshold", "successThreshold"}
+FIELDS = {  # where in a pod -> the keys allowed there
+    "env": {"name", "value", "valueFrom"}, "ports": {"name", "containerPort", "protocol"},
+    "volumeMounts": {"name", "mountPath", "readOnly"}, "resources": {"requests", "limits"},
+    "volumes": {"name", "emptyDir", "configMap"}, "emptyDir": {"medium", "sizeLimit"}, "configMap": {"name"},
+}
 
 
 class PodFailed(AssertionError):
     """The pod cannot run as written, or its container exited, or it never became ready."""
+
+
+def check_fields(name: str, pod_spec: dict, container: dict) -> None:
+    """PodFailed naming the first field of the pod this module would not run as written."""
+    def refuse(where: str, keys) -> None:
+        if keys:
+            raise PodFailed(f"pod {name}: {where} {sorted(keys)} not run here")
+
+    refuse("container fields", set(container) - CONTAINER_FIELDS)
+    refuse("pod securityContext fields", set(pod_spec.get("securityContext", {})) - POD_SECURITY)
+    refuse("container securityContext fields", set(container.get("securityContext", {})) - CONTAINER_SECURITY)
+    for key in ("env", "ports", "volumeMounts"):
+        for item in container.get(key, []):
+            refuse(f"{key} fields", set(item) - FIELDS[key])
+    refuse("port protocols", {p.get("protocol", "TCP") for p in container.get("ports", [])} - {"TCP"})
+    refuse("resources fields", set(container.get("resources", {})) - FIELDS["resources"])
+    for volume in pod_spec.get("volumes", []):
+        refuse("volume sources", set(volume) - FIELDS["volumes"])
+        for source in ("emptyDir", "configMap"):
+            refuse(f"{source} fields", set(volume.get(source, {})) - FIELDS[source])
+        if "sizeLimit" in volume.get("emptyDir", {}) and volume["emptyDir"].get("medium") != "Memory":
+            raise PodFailed(f"pod {name}: a sizeLimit on a disk emptyDir ({volume['name']}) is not run here")
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(kind, {})
+        refuse(f"{kind} fields", set(probe) - PROBE_TIMING - {"grpc", "httpGet", "tcpSocket", "exec"})
 
 
 @dataclass(frozen=True)
@@ -132,22 +169,29 @@ class Pod:
         raise self.fail(f"probe {probe}: no handler this module runs")
 
     def wait_ready(self, timeout: float = 300) -> float:
-        """Until the pod is ready by its own probes, as the kubelet decides it: the startup probe has
-        passed, then the readiness probe passes (a container without one is ready once started; its
-        liveness probe must pass too, or the kubelet would restart it). Probes run every second, not
-        every `periodSeconds`: what is tested is what they ask, not the kubelet's pace. Returns the
-        seconds it took; PodFailed if the container exits or the time runs out."""
+        """Until the pod is ready by its own probes, as the kubelet decides it: the startup probe (or,
+        without one, the liveness probe) must pass within the time the kubelet gives it
+        (initialDelaySeconds + failureThreshold x periodSeconds) or the kubelet would restart the
+        container; then the readiness probe must pass (a container without one is ready once started).
+        Probes run every second, not every periodSeconds: what is tested is what they ask. Returns the
+        seconds it took; PodFailed if the container exits, outlives its probe's budget, or is not ready
+        after `timeout`."""
         start = time.monotonic()
-        startup = self.container.get("startupProbe")
-        readiness = self.container.get("readinessProbe") or self.container.get("livenessProbe")
+        kind = "startupProbe" if "startupProbe" in self.container else "livenessProbe"
+        first, readiness = self.container.get(kind), self.container.get("readinessProbe")
+        budget = first and first.get("initialDelaySeconds", 0) + first.get("failureThreshold", 3) * first.get("periodSeconds", 10)
         while True:
             if (code := self.exited()) is not None:
                 raise self.fail(f"its container exited with {code} before it was ready")
-            if startup is not None and self.probe(startup):
-                startup = None
-            if startup is None and (readiness is None or self.probe(readiness)):
+            elapsed = time.monotonic() - start
+            if first is not None:
+                if self.probe(first):
+                    first = None
+                elif elapsed > budget:
+                    raise self.fail(f"its {kind} failed for {budget} s: the kubelet would restart it")
+            if first is None and (readiness is None or self.probe(readiness)):
                 return time.monotonic() - start
-            if time.monotonic() - start > timeout:
+            if elapsed > timeout:
                 raise self.fail(f"not ready after {timeout:.0f} s")
             time.sleep(1)
 
@@ -190,15 +234,14 @@ class Kubelet:
         if len(pod_spec["containers"]) != 1 or pod_spec.get("initContainers"):
             raise PodFailed(f"pod {name}: one container per pod is run here")
         container = pod_spec["containers"][0]
-        if set(container) - CONTAINER_FIELDS:
-            raise PodFailed(f"pod {name}: container fields {sorted(set(container) - CONTAINER_FIELDS)} not run here")
+        check_fields(name, pod_spec, container)
         image = container["image"]
         if self.docker.run("image", "inspect", image, check=False).returncode != 0:
             raise PodFailed(f"pod {name}: image {image} is not on this machine (nothing is pulled here)")
         ip = self.network.address()
         pod = Pod(self.docker, name, namespace, ip, container, pod_spec, f"{self.network.name}-{name}")
         args = ["run", "-d", "--name", pod.docker_name, "--hostname", name, "--network", self.network.name, "--ip", ip]
-        for alias in (name, *dns_names):
+        for alias in dns_names:  # as cluster DNS would answer for it (its hostname is only its own)
             args += ["--network-alias", alias]
         env = self._env(pod, pod_spec)
         for key, value in env.items():

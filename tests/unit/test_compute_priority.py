@@ -70,9 +70,10 @@ def flags_given(stack, roles: list[str]) -> list[tuple[str, list[str]]]:
 ])
 def test_a_local_stack_gives_decodes_beside_prefills_the_cores_at_idle_priority(monkeypatch, tmp_path, roles, flags):
     """On two cores: servers of one role split them; decodes beside prefills run idle."""
+    from tandem.tools import stack
     from tandem.tools.stack import LocalStack
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(stack, "usable_cpus", lambda: (2, "two cores"))
     assert flags_given(LocalStack(tmp_path), roles) == list(zip(roles, flags))
 
 
