@@ -57,6 +57,9 @@ def check_fields(name: str, pod_spec: dict, container: dict) -> None:
         if keys:
             raise PodFailed(f"pod {name}: {where} {sorted(keys)} not run here")
 
+    refuse("pod fields", set(pod_spec) - POD_FIELDS)
+    if len(pod_spec["containers"]) != 1:
+        raise PodFailed(f"pod {name}: one container per pod is run here")
     refuse("container fields", set(container) - CONTAINER_FIELDS)
     refuse("pod securityContext fields", set(pod_spec.get("securityContext", {})) - POD_SECURITY)
     refuse("container securityContext fields", set(container.get("securityContext", {})) - CONTAINER_SECURITY)
@@ -228,11 +231,6 @@ class Kubelet:
 
     def run(self, pod_spec: dict, name: str, namespace: str = "default", dns_names: tuple[str, ...] = ()) -> Pod:
         """Start the pod's one container (not waiting for it); `dns_names`: what else it answers to."""
-        unknown = set(pod_spec) - POD_FIELDS
-        if unknown:
-            raise PodFailed(f"pod {name}: {sorted(unknown)} not run here")
-        if len(pod_spec["containers"]) != 1 or pod_spec.get("initContainers"):
-            raise PodFailed(f"pod {name}: one container per pod is run here")
         container = pod_spec["containers"][0]
         check_fields(name, pod_spec, container)
         image = container["image"]
@@ -320,12 +318,10 @@ class Kubelet:
         volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
         args = []
         mounts = list(container.get("volumeMounts", []))
-        if self.api is not None and pod_spec.get("serviceAccountName") and pod_spec.get("automountServiceAccountToken", True):
+        if self.api is not None and pod_spec.get("serviceAccountName"):
             volumes["kube-api-access"] = {"name": "kube-api-access", "serviceAccount": True}
             mounts.append({"name": "kube-api-access", "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True})
         for mount in mounts:
-            if mount.get("subPath") or mount.get("subPathExpr"):
-                raise PodFailed(f"pod {pod.name}: volumeMount {mount['name']}: subPath is not run here")
             volume = volumes.get(mount["name"])
             if volume is None:
                 raise PodFailed(f"pod {pod.name}: volumeMount {mount['name']} names no volume")
