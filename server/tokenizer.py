@@ -27,7 +27,7 @@ def tokenizer_dir(source: ModelSource) -> Path:
     with the tokenizer (GetTokenizer), and smg, given none, looks the model's config up on the
     Hugging Face Hub under the tokenizer's path for every chat request (10 s each where the Hub's name
     does not resolve, as in a cluster without egress)."""
-    if source.kind == "hf":
+    if source.kind == "hf" or (source.kind == "random" and source.path.is_dir()):
         return source.path
     stat = source.path.stat()
     target = env.cache_dir() / "tokenizers" / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"

