@@ -20,9 +20,18 @@ CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
 
 def changed_engine_flags(args: argparse.Namespace) -> list[str]:
     """The EngineConfig flags given on this command line, to pass on to `tandem serve`."""
-    changed = [(f.name, getattr(args, f.name)) for f in dataclasses.fields(EngineConfig) if getattr(args, f.name) != f.default]
-    return [(flag(name) if value else flag(f"no_{name}")) if isinstance(value, bool) else f"{flag(name)}={value}"
-            for name, value in changed]
+    config, flags = from_args(args, EngineConfig), []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(config, f.name)
+        if value == f.default:
+            continue
+        if isinstance(value, bool):
+            flags.append(flag(f.name) if value else flag(f"no_{f.name}"))
+        elif isinstance(value, tuple):  # a repeatable flag, once per value
+            flags += [f"{flag(f.name)}={v}" for v in value]
+        else:
+            flags.append(f"{flag(f.name)}={value}")
+    return flags
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -189,6 +198,12 @@ def cmd_bench_linear(args) -> int:
 
 def cmd_bench_step(args) -> int:
     from tandem.tools.bench_step import run
+
+    return run(args)
+
+
+def cmd_bench_gpu(args) -> int:
+    from tandem.tools.bench_gpu import run
 
     return run(args)
 
@@ -375,6 +390,21 @@ def build_parser() -> argparse.ArgumentParser:
     bstep.add_argument("--steps", type=int, default=30, help="timed steps per form and batch size")
     bstep.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size in tokens (the pages are scattered)")
     bstep.set_defaults(func=cmd_bench_step)
+
+    bgpu = bench_sub.add_parser("gpu", help="decode steps (eager and CUDA graphs) and prefill of real-size model "
+                                "shapes with random weights, beside the GPU's memory floor and matmul peak measured "
+                                "in the same run")
+    bgpu.add_argument("--shapes", nargs="+", default=["llama3-8b", "llama3.2-1b"], help="model shapes (random weights)")
+    bgpu.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256], help="decode batch sizes")
+    bgpu.add_argument("--context", type=int, default=512, help="tokens already in each decoding sequence's KV")
+    bgpu.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size and form")
+    bgpu.add_argument("--prefill-len", type=int, default=2048, help="tokens per prompt in the prefill pass")
+    bgpu.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens in the prefill pass")
+    bgpu.add_argument("--layers", type=int, help="fewer layers than the shape has (a quicker smoke run)")
+    bgpu.add_argument("--no-graphs", action="store_true", help="eager decode only")
+    bgpu.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (eager, torch attention: a smoke test)")
+    bgpu.add_argument("--json-out", help="also write the figures as JSON to this file")
+    bgpu.set_defaults(func=cmd_bench_gpu)
 
     bpeers = bench_sub.add_parser("peers", help="tandem (colocated and 1 prefill + 1 decode) against vLLM's CPU build "
                                   "on this machine, the serve workload, one server at a time, in one run")

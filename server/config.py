@@ -66,6 +66,10 @@ class EngineConfig:
               "CPU, where it is about 1% and a new prompt would wait for one more step (but for a decode, "
               "which polls for arrived KV while a step computes, and with --compute-priority idle, whose "
               "forward passes need a thread of their own)")
+    disable_cuda_graph: bool = opt(False, "CUDA: run decode steps eagerly instead of replaying the CUDA graphs "
+                                          "captured at startup (one per batch size in --cuda-graph-bs)")
+    cuda_graph_bs: tuple[int, ...] = opt((), "CUDA: a decode batch size to capture a graph for (default: 1, 2, 4 "
+                                              "and every multiple of 8 up to --max-running-requests, and it)")
     tp_timeout: float = opt(120.0, "seconds tensor-parallel ranks wait for each other in a collective before the "
                                    "server fails (and exits) rather than hang")
     grammar_compile_timeout: float = opt(
@@ -91,6 +95,8 @@ class EngineConfig:
             ("context_length", self.context_length is None or self.context_length >= 2, ">= 2"),
             ("tp_size", self.tp_size >= 1, ">= 1"),
             ("tp_timeout", self.tp_timeout > 0, "> 0"),
+            ("cuda_graph_bs", all(1 <= n <= self.max_running_requests for n in self.cuda_graph_bs),
+             f"batch sizes in [1, --max-running-requests ({self.max_running_requests})]"),
             ("compute_priority", self.compute_priority == "normal" or self.tp_size == 1,
              f"normal with --tp-size {self.tp_size} (idle is for one process)"),
             ("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0"),

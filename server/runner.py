@@ -10,6 +10,9 @@ grammar allows next (`tandem.server.grammar`), and after, advances its matcher b
 Steps run one after another on one thread, so a step always sees its requests' matchers advanced
 by the step before.
 
+On CUDA, decode steps replay CUDA graphs (`graphs`, `tandem.server.cuda_graphs`) where the engine
+captured them; other steps, and every step without them, run the model eagerly.
+
 With tensor parallelism the runner is rank 0's: each forward pass's `ForwardInputs` go to the
 other ranks (`peers`) first, every rank runs `forward_pass` over its heads, and rank 0 alone
 computes logits and samples.
@@ -25,6 +28,7 @@ import torch
 from tandem.kernels.attention import AttentionBackend, AttentionBatch, create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.sampling import SamplingRow, sample
+from tandem.server.cuda_graphs import DecodeGraphs
 from tandem.server.grammar import Matcher, token_bitmask
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.plan import FUTURE_TOKEN, StepOutput, StepPlan
@@ -91,6 +95,7 @@ class ModelRunner:
         self.peers = peers
         c = model.config
         self.attn = create_backend(attention_backend, kv_cache, c.num_heads, c.head_dim)
+        self.graphs: DecodeGraphs | None = None  # set by the engine once captured
         self._sampled: dict[str, int] = {}  # rid -> token the last pass sampled (for FUTURE_TOKENs)
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -124,7 +129,12 @@ class ModelRunner:
                 row.history[-1] = sampled[rid]
         if self.peers is not None:
             self.peers.send(step.inputs)
-        hidden = forward_pass(self.model, self.attn, step.inputs, self.device)
+        inputs = step.inputs
+        if self.graphs is not None and self.graphs.fits(len(inputs.q_lens), inputs.num_extends):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.kv_lens,
+                                     inputs.page_tables)
+        else:
+            hidden = forward_pass(self.model, self.attn, inputs, self.device)
         # Only the last position of each sequence that samples needs logits.
         next_tokens: list[int | None] = [None] * step.num_seqs
         if not step.samples:

@@ -22,6 +22,14 @@ def test_engine_flags_passed_on_to_serve_parse_there_to_the_same_config():
     assert from_args(serve, EngineConfig).enable_mixed_chunk and from_args(serve, EngineConfig).page_size == 32
 
 
+def test_a_repeatable_engine_flag_is_passed_on_once_per_value():
+    demo = build_parser().parse_args(["demo", "--cuda-graph-bs", "1", "--cuda-graph-bs", "8"])
+    assert changed_engine_flags(demo) == ["--cuda-graph-bs=1", "--cuda-graph-bs=8"]
+    serve = build_parser().parse_args(["serve", *changed_engine_flags(demo)])
+    assert from_args(serve, EngineConfig).cuda_graph_bs == (1, 8)
+    assert changed_engine_flags(build_parser().parse_args(["demo"])) == []
+
+
 @pytest.mark.parametrize("given, value", [([], None), (["--disable-overlap-schedule"], True),
                                            (["--no-disable-overlap-schedule"], False)])
 def test_an_optional_boolean_flag_stays_unset_unless_given(given, value):
