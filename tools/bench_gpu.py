@@ -1,0 +1,232 @@
+"""`tandem bench gpu`: decode steps and prefill of real-size model shapes on one GPU, beside what
+that GPU allows, measured in the same run.
+
+Each shape (`random_weights.SHAPES`: a Llama-3-8B, a Llama-3.2-1B) gets random bfloat16 weights
+drawn on the device with a fixed seed and loaded through the serving model code
+(`LlamaForCausalLM`), with a KV cache of scattered pages as in a server. Then:
+
+- **decode**: one step of `rows` sequences of `--context` cached tokens each, eager (FlashInfer's
+  decode plan and every kernel launched from Python) and replaying CUDA graphs (`DecodeGraphs`,
+  captured for exactly these batch sizes). A step is what the engine's runner does: plan, forward
+  pass, logits, greedy tokens to the host. The median of `--steps` steps.
+- **floor**: the fastest a decode step can be: the bytes it must read (every weight once, plus each
+  sequence's K and V) over the memory's rate as a device-to-device copy measured it here (bytes
+  read plus bytes written per second: what the memory moves at full speed).
+- **prefill**: one forward pass over `--prefill-tokens` prompt tokens in prompts of
+  `--prefill-len`, in tokens per second and as model FLOP/s against the bfloat16 matrix-product
+  peak measured here (an 8192-cubed product).
+
+On a CPU (`--device cpu`) the same code runs eagerly with the torch attention backend (no graphs,
+no floor against a GPU): a smoke test of the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from tandem.kernels.attention import create_backend
+from tandem.kernels.kv_cache import PagedKVCache, flat_slots
+from tandem.server.cuda_graphs import DecodeGraphs
+from tandem.server.model.llama import LlamaForCausalLM
+from tandem.server.model.random_weights import SHAPES, random_weights, shape_config
+from tandem.server.runner import ForwardInputs, forward_pass
+
+PAGE_SIZE = 16
+GOAL = 1.3  # batch-1 decode of the 8B shape with graphs, over its floor
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, steps: int, warmup: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 31) -> float:
+    """Bytes read plus written per second by a device-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _median_seconds(lambda: dst.copy_(src), 10, 3, device)
+    del src, dst
+    return 2 * nbytes / seconds
+
+
+def matmul_peak(device: torch.device, n: int = 8192) -> float:
+    """FLOP/s of an n-cubed bfloat16 matrix product."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    seconds = _median_seconds(lambda: a @ b, 10, 3, device)
+    return 2 * n**3 / seconds
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of weights one decode step reads: every projection and norm, and the LM head (not the
+    embedding table, of which a step reads only its tokens' rows)."""
+    total = model.norm.numel() * model.norm.element_size()
+    total += model.lm_head.streamed_bytes(1)
+    for layer in model.layers:
+        total += sum(p.streamed_bytes(1) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm))
+    return total
+
+
+def decode_inputs(rows: int, context: int, pages: list[int]) -> ForwardInputs:
+    """`rows` sequences of `context` cached tokens, each decoding one more, on `pages` (shuffled)."""
+    per_seq = -(-(context + 1) // PAGE_SIZE)
+    tables = [pages[i * per_seq : (i + 1) * per_seq] for i in range(rows)]
+    rng = random.Random(rows)
+    return ForwardInputs(
+        input_ids=[rng.randrange(1000) for _ in range(rows)], positions=[context] * rows,
+        slots=[s for t in tables for s in flat_slots(t, context, context + 1, PAGE_SIZE)], q_lens=[1] * rows,
+        kv_lens=[context + 1] * rows, page_tables=tables, num_extends=0)
+
+
+def prefill_inputs(num_prompts: int, length: int, pages: list[int]) -> ForwardInputs:
+    per_seq = -(-length // PAGE_SIZE)
+    tables = [pages[i * per_seq : (i + 1) * per_seq] for i in range(num_prompts)]
+    rng = random.Random(length)
+    return ForwardInputs(
+        input_ids=[rng.randrange(1000) for _ in range(num_prompts * length)],
+        positions=[p for _ in range(num_prompts) for p in range(length)],
+        slots=[s for t in tables for s in flat_slots(t, 0, length, PAGE_SIZE)], q_lens=[length] * num_prompts,
+        kv_lens=[length] * num_prompts, page_tables=tables, num_extends=num_prompts)
+
+
+def prefill_flops(c, num_prompts: int, length: int) -> float:
+    """Model FLOPs of a prefill pass: 2 per weight per token through the projections, and causal
+    attention's two products (QK^T and PV) over half of each prompt's square."""
+    per_token = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    attention = 2 * 2 * c.num_heads * c.head_dim * (length * (length + 1) // 2)
+    return num_prompts * c.num_layers * (2 * per_token * length + attention)
+
+
+def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, peak: float | None) -> list[dict]:
+    overrides = {"num_layers": args.layers} if args.layers else {}
+    c = shape_config(name, **overrides)
+    dtype = torch.bfloat16
+    model = LlamaForCausalLM(c, random_weights(c, dtype, device), dtype, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows_max = max(args.rows)
+    per_seq = -(-(args.context + 1) // PAGE_SIZE)
+    prompts = max(1, args.prefill_tokens // args.prefill_len)
+    num_pages = max(rows_max * per_seq, prompts * -(-args.prefill_len // PAGE_SIZE)) + 1  # + the graphs' scratch page
+    cache = PagedKVCache(c.num_layers, num_pages, PAGE_SIZE, c.num_kv_heads, c.head_dim, dtype, device)
+    attn = create_backend("auto", cache, c.num_heads, c.head_dim)
+    graphs, capture_s = None, None
+    if device.type == "cuda" and not args.no_graphs:
+        graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
+        capture_s = graphs.capture()
+    wbytes = weight_bytes(model)
+    kv_token = PagedKVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    pages = random.Random(0).sample(range(num_pages - 1), num_pages - 1)
+    results = []
+
+    @torch.inference_mode()
+    def step(inputs: ForwardInputs, graphed: bool) -> list[int]:
+        if graphed:
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.kv_lens, inputs.page_tables)
+        else:
+            hidden = forward_pass(model, attn, inputs, device)
+        return model.logits(hidden).argmax(-1).tolist()
+
+    for rows in args.rows:
+        inputs = decode_inputs(rows, args.context, pages)
+        eager = _median_seconds(lambda: step(inputs, False), args.steps, 3, device)
+        graphed = _median_seconds(lambda: step(inputs, True), args.steps, 3, device) if graphs else None
+        read = wbytes + rows * (args.context + 1) * kv_token
+        floor = read / copy_bw if copy_bw else None  # the memory's rate, as a copy drives it (reads and writes)
+        results.append(dict(
+            shape=name, kind="decode", rows=rows, context=args.context, eager_ms=eager * 1e3,
+            graph_ms=graphed * 1e3 if graphed else None, floor_ms=floor * 1e3 if floor else None,
+            graph_over_floor=graphed / floor if graphed and floor else None,
+            eager_over_graph=eager / graphed if graphed else None, bytes_read=read,
+            capture_s=capture_s))
+    with torch.inference_mode():
+        inputs = prefill_inputs(prompts, args.prefill_len, pages)
+        seconds = _median_seconds(lambda: forward_pass(model, attn, inputs, device), max(3, args.steps // 5), 1, device)
+    tokens = prompts * args.prefill_len
+    flops = prefill_flops(c, prompts, args.prefill_len)
+    results.append(dict(shape=name, kind="prefill", tokens=tokens, prompt_len=args.prefill_len, ms=seconds * 1e3,
+                        tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12,
+                        of_peak=flops / seconds / peak if peak else None))
+    del model, cache, attn, graphs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(header: dict, results: list[dict]) -> str:
+    lines = [f"device: {header['device']}; torch {header['torch']}; copy bandwidth "
+             f"{_fmt(header['copy_tb_s'], '.2f')} TB/s (read + written); bf16 matmul peak "
+             f"{_fmt(header['matmul_tflops'], '.0f')} TFLOP/s", "",
+             "| shape | batch | context | eager ms | graphs ms | HBM floor ms | graphs / floor | eager / graphs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["kind"] == "decode":
+            lines.append(f"| {r['shape']} | {r['rows']} | {r['context']} | {r['eager_ms']:.2f} | {_fmt(r['graph_ms'], '.2f')} | "
+                         f"{_fmt(r['floor_ms'], '.2f')} | {_fmt(r['graph_over_floor'], '.2f')} | "
+                         f"{_fmt(r['eager_over_graph'], '.2f')} |")
+    lines += ["", "| shape | prefill tokens | prompt length | ms | tokens/s | TFLOP/s | of the matmul peak |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["kind"] == "prefill":
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['prompt_len']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
+                         f"{r['tflops']:.1f} | {_fmt(r['of_peak'], '.0%')} |")
+    goal = [r for r in results if r["kind"] == "decode" and r["shape"] == "llama3-8b" and r["rows"] == 1]
+    if goal and goal[0]["graph_over_floor"]:
+        ratio = goal[0]["graph_over_floor"]
+        lines += ["", f"goal: batch-1 decode of llama3-8b with graphs within {GOAL}x of its floor: {ratio:.2f}x "
+                      f"({'met' if ratio <= GOAL else 'not met'})"]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench gpu: no CUDA device here (--device cpu runs the benchmark's own code eagerly)")
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown shape {unknown[0]!r}; known: {', '.join(SHAPES)}")
+    torch.manual_seed(0)
+    cuda = device.type == "cuda"
+    header = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
+                  copy_tb_s=None, matmul_tflops=None)
+    copy_bw = copy_bandwidth(device) if cuda else None
+    peak = matmul_peak(device) if cuda else None
+    if cuda:
+        header.update(copy_tb_s=copy_bw / 1e12, matmul_tflops=peak / 1e12)
+    results = []
+    for shape in args.shapes:
+        results += bench_shape(shape, args, device, copy_bw, peak)
+        for r in results[-len(args.rows) - 1:]:
+            print(json.dumps(r), flush=True)
+    text = report(header, results)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(header=header, args={k: v for k, v in vars(args).items() if k != "func"}, results=results),
+                      f, indent=1)
+    return 0
