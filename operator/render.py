@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kubernetes.utils import parse_quantity
-
 from tandem.operator.spec import GROUP, KIND, POOLS, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
 from tandem.operator.schema import to_wire
 
@@ -231,6 +229,8 @@ def _server_container(inst: Instance, pool: str) -> dict:
 
 def shm_size(pool: PoolSpec) -> str:
     """/dev/shm of a pool's pods: as asked, but at least 2Gi per rank for NCCL between GPUs."""
+    from kubernetes.utils import parse_quantity  # here: `tandem serve`'s flags parse without the Kubernetes client
+
     floor = 2 * pool.tensor_parallel_size
     if pool.tensor_parallel_size > 1 and gpu_count(pool.resources) and parse_quantity(pool.shm_size) < floor * 2**30:
         return f"{floor}Gi"

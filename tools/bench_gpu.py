@@ -117,7 +117,9 @@ def prefill_flops(c, num_prompts: int, length: int) -> float:
     return num_prompts * c.num_layers * (2 * per_token * length + attention)
 
 
-def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, peak: float | None) -> list[dict]:
+def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, peak: float | None,
+                results: list[dict]) -> None:
+    """Measure shape `name`, appending each figure to `results` (and printing it) as it is taken."""
     overrides = {"num_layers": args.layers} if args.layers else {}
     c = shape_config(name, **overrides)
     dtype = torch.bfloat16
@@ -137,7 +139,6 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     wbytes = weight_bytes(model)
     kv_token = PagedKVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
     pages = random.Random(0).sample(range(num_pages - 1), num_pages - 1)
-    results = []
 
     @torch.inference_mode()
     def step(inputs: ForwardInputs, graphed: bool) -> list[int]:
@@ -159,6 +160,7 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
             graph_over_floor=graphed / floor if graphed and floor else None,
             eager_over_graph=eager / graphed if graphed else None, bytes_read=read,
             capture_s=capture_s))
+        print(json.dumps(results[-1]), flush=True)
     with torch.inference_mode():
         inputs = prefill_inputs(prompts, args.prefill_len, pages)
         seconds = _median_seconds(lambda: forward_pass(model, attn, inputs, device), max(3, args.steps // 5), 1, device)
@@ -167,11 +169,11 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     results.append(dict(shape=name, kind="prefill", tokens=tokens, prompt_len=args.prefill_len, ms=seconds * 1e3,
                         tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12,
                         of_peak=flops / seconds / peak if peak else None))
+    print(json.dumps(results[-1]), flush=True)
     del model, cache, attn, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return results
 
 
 def _fmt(value, spec: str) -> str:
@@ -218,15 +220,16 @@ def run(args) -> int:
     peak = matmul_peak(device) if cuda else None
     if cuda:
         header.update(copy_tb_s=copy_bw / 1e12, matmul_tflops=peak / 1e12)
-    results = []
-    for shape in args.shapes:
-        results += bench_shape(shape, args, device, copy_bw, peak)
-        for r in results[-len(args.rows) - 1:]:
-            print(json.dumps(r), flush=True)
-    text = report(header, results)
-    print(text)
+    results: list[dict] = []
+    interrupted = False
+    try:
+        for shape in args.shapes:
+            bench_shape(shape, args, device, copy_bw, peak, results)
+    except KeyboardInterrupt:  # stopped (a time limit): report what was measured
+        interrupted = True
+    print(report(header, results) + ("\n\n(interrupted: the figures above are all that was measured)" if interrupted else ""))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(dict(header=header, args={k: v for k, v in vars(args).items() if k != "func"}, results=results),
-                      f, indent=1)
-    return 0
+            json.dump(dict(header=header, args={k: v for k, v in vars(args).items() if k != "func"}, results=results,
+                           interrupted=interrupted), f, indent=1)
+    return 130 if interrupted else 0
