@@ -9,8 +9,9 @@
 #   .gpu/mooncake.tar.xz       the Mooncake transfer engine (CUDA 13 build) without its store and tools
 #   .gpu/debs/*.deb            Debian's libibverbs, libnuma, libcurl and theirs, used where missing
 #   .gpu/tokenizer/            the built-in model's tokenizer (random-weight models use it)
-#   .gpu/jit/jit.tar.xz.*      FlashInfer kernels compiled by an earlier run (optional): they load
-#                              as FlashInfer's own prebuilt modules, so no compile is paid twice
+#   .gpu/jit/*.tar.xz.*        FlashInfer kernels compiled by earlier runs (optional; name each run's
+#                              $OUT/jit.tar.xz.* apart, e.g. run2-jit.tar.xz.aa): they load as
+#                              FlashInfer's own prebuilt modules, so no compile is paid twice
 #
 # Stages, each bounded so that the whole run ends within GPU_CHECK_SECONDS (default 450): the
 # CUDA-graph tests, `tandem bench gpu`, the serving tests (colocated 8B-shaped server under load;
@@ -60,9 +61,9 @@ tar -xJf "$GPU/flashinfer.tar.xz" -C "$SITE"
 tar -xJf "$GPU/mooncake.tar.xz" -C "$SITE"
 mkdir -p "$SITE/tandem"
 for pkg in cli tools server kernels operator common; do ln -sfn "$REPO/$pkg" "$SITE/tandem/$pkg"; done
-if ls "$GPU"/jit/jit.tar.xz.* > /dev/null 2>&1; then
+if ls "$GPU"/jit/*.tar.xz.* > /dev/null 2>&1; then  # one run's parts after another's: tar reads on past each end
     mkdir -p "$SITE/flashinfer/data/aot"
-    cat "$GPU"/jit/jit.tar.xz.* | tar -xJ -C "$SITE/flashinfer/data/aot"
+    cat "$GPU"/jit/*.tar.xz.* | tar -xJ --ignore-zeros -C "$SITE/flashinfer/data/aot"
     log "FlashInfer kernels from an earlier run: $(ls "$SITE/flashinfer/data/aot" | tr '\n' ' ')"
 fi
 # Shared libraries Mooncake links that this machine lacks (only those: the system's own stay first).
@@ -92,6 +93,7 @@ EOF
 
 # -- checks ---------------------------------------------------------------------------------------
 PYTEST=(python3 -m pytest -p no:cacheprovider -v -rfE)
+mkdir -p /tmp/tandem-pytest  # each stage's --basetemp below it (pytest makes only the last folder)
 stage graphs 100 "${PYTEST[@]}" --timeout=85 --basetemp=/tmp/tandem-pytest/graphs tests/engine/test_cuda_graphs_gpu.py
 stage bench 200 python3 -m tandem.cli.main bench gpu --shapes llama3.2-1b llama3-8b --json-out "$OUT/bench.json"
 stage serving 240 "${PYTEST[@]}" --timeout=200 --basetemp=/tmp/tandem-pytest/serving tests/e2e/test_cuda_serving_gpu.py -s
