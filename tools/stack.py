@@ -188,7 +188,7 @@ class LocalStack:
         cores between them: more torch threads than cores at one priority stall each other's
         parallel regions. Decodes beside prefills take the cores too, at `--compute-priority
         idle`: a prefill's forward pass goes first, as a colocated server's prefills pause its
-        decodes, and the decodes compute in the time it leaves (measured in the README)."""
+        decodes, and the decodes compute in the time it leaves (measured in docs/disaggregation.md)."""
         cores = usable_cpus()[0]  # in a container, what its CPU limit allows
         given = {a.split("=")[0] for a in self.engine_args}
         servers = []

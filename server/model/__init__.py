@@ -59,7 +59,7 @@ def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False)
     """The dtype to load with, and why. `auto` is bfloat16 on CUDA. On a CPU it is float32 where the
     model comes with GGUF int8 blocks and tandem's CPU kernels run (decode streams 1.25 bytes per
     weight, attention reads the float32 KV pages in place): measured faster than native bfloat16 on
-    an AVX512-BF16 CPU (`tandem bench offline`, README "Performance"); but not with AMX, whose
+    an AVX512-BF16 CPU (`tandem bench offline`, docs/performance.md); but not with AMX, whose
     bfloat16 tiles win by more: on a 2-core Xeon with AMX, `tandem bench offline --skip-hf
     --max-running-requests 8` served 174-177 tok/s in bfloat16 against 140 with float32 weights,
     int8 blocks and bfloat16 prefill products. Otherwise bfloat16 where the CPU multiplies it

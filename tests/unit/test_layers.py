@@ -1,5 +1,5 @@
-"""The layers (README: "Layers") hold: import-linter's contracts from pyproject.toml, on the real
-import graph and on one with a forbidden import added, which they must catch."""
+"""The layers (docs/architecture.md, "Layers") hold: import-linter's contracts from pyproject.toml,
+on the real import graph and on one with a forbidden import added, which they must catch."""
 
 from __future__ import annotations
 
