@@ -10,7 +10,7 @@ A graph replays fixed addresses and shapes, so each batch size gets its own grap
 `capture_sizes`), all reading static buffers: the token ids, positions and KV slots of the step
 (`inputs`), and the page tables of FlashInfer's decode plan (`FlashInferGraphDecode`). Before each
 replay, outside the graph, the runner writes the step into those buffers and plans attention:
-`run(inputs)` pads a batch of n sequences to the smallest captured size `bs >= n`; the padding
+`run` pads a batch of n sequences to the smallest captured size `bs >= n`; the padding
 rows decode token 0 at position 0 over one scratch page of the KV cache that no request is ever
 given (the engine allocates it beyond the pool's pages), and their outputs are dropped.
 
@@ -22,7 +22,6 @@ parameters, and its output goes to the host anyway).
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 
 import torch
@@ -32,8 +31,6 @@ from tandem.kernels.flashinfer_attention import WORKSPACE_BYTES, FlashInferAtten
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import EngineConfig
 from tandem.server.model.llama import LlamaForCausalLM
-
-log = logging.getLogger("tandem.engine")
 
 SMALL_SIZES = (1, 2, 4)  # then every STEP
 STEP = 8
@@ -73,7 +70,7 @@ def graphs_unavailable(config: EngineConfig, device: torch.device, role: str, at
 class DecodeGraphs:
     """One captured forward pass per size in `sizes` over `model` and `kv_cache`, whose page
     `scratch_page` no request uses. `capture()` once (on the thread that runs forward passes),
-    then `run(inputs)` for each decode step that `fits`."""
+    then `run` for each decode step that `fits`."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, sizes: list[int], scratch_page: int):
         if not 0 <= scratch_page < kv_cache.num_pages:

@@ -77,9 +77,10 @@ def overlap_scheduling(config: EngineConfig, device: torch.device, role: str = "
     decode server and with `--compute-priority idle`. On a CPU the host work overlap hides is
     about 1% of a step, and it costs a new prompt one more step of waiting (the next step is
     already launched when it arrives; docs/performance.md, "Overlap scheduling on two cores", has
-    the measurement), which a decode, with no prompts to prefill, does not pay. It frees the engine thread to poll while a
-    step computes: a decode notices arrived KV mid-step (`_poll_while_running`), and at idle
-    priority the engine thread goes on while another process's work holds the cores."""
+    the measurement), which a decode, with no prompts to prefill, does not pay. It frees the engine
+    thread to poll while a step computes: a decode notices arrived KV mid-step
+    (`_poll_while_running`), and at idle priority the engine thread goes on while another
+    process's work holds the cores."""
     if config.disable_overlap_schedule is not None:
         return not config.disable_overlap_schedule
     return device.type == "cuda" or role == "decode" or config.compute_priority == "idle"
