@@ -9,9 +9,10 @@ drawn on the device with a fixed seed and loaded through the serving model code
   decode plan and every kernel launched from Python) and replaying CUDA graphs (`DecodeGraphs`,
   captured for exactly these batch sizes). A step is what the engine's runner does: plan, forward
   pass, logits, greedy tokens to the host. The median of `--steps` steps.
-- **floor**: the fastest a decode step can be: the bytes it must read (every weight once, plus each
-  sequence's K and V) over the memory's rate as a device-to-device copy measured it here (bytes
-  read plus bytes written per second: what the memory moves at full speed).
+- **floor**: the fastest a decode step can be: the bytes it must read (every projection's weights
+  once, `LlamaForCausalLM.streamed_bytes`, plus each sequence's K and V) over the memory's rate as
+  a device-to-device copy measured it here (bytes read plus bytes written per second: what the
+  memory moves at full speed).
 - **prefill**: one forward pass over `--prefill-tokens` prompt tokens in prompts of
   `--prefill-len`, in tokens per second and as model FLOP/s against the bfloat16 matrix-product
   peak measured here (an 8192-cubed product).
@@ -76,17 +77,6 @@ def matmul_peak(device: torch.device, n: int = 8192) -> float:
     return 2 * n**3 / seconds
 
 
-def weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of weights one decode step reads: every projection and norm, and the LM head (not the
-    embedding table, of which a step reads only its tokens' rows)."""
-    total = model.norm.numel() * model.norm.element_size()
-    total += model.lm_head.streamed_bytes(1)
-    for layer in model.layers:
-        total += sum(p.streamed_bytes(1) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm))
-    return total
-
-
 def decode_inputs(rows: int, context: int, pages: list[int]) -> ForwardInputs:
     """`rows` sequences of `context` cached tokens, each decoding one more, on `pages` (shuffled)."""
     per_seq = -(-(context + 1) // PAGE_SIZE)
@@ -136,7 +126,7 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     if device.type == "cuda" and not args.no_graphs:
         graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
         capture_s = graphs.capture()
-    wbytes = weight_bytes(model)
+    wbytes = model.streamed_bytes(1)
     kv_token = PagedKVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
     pages = random.Random(0).sample(range(num_pages - 1), num_pages - 1)
 

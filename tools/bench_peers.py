@@ -65,9 +65,8 @@ def decode_weight_bytes(model: str, dtype: str) -> tuple[int, str]:
     from tandem.server.model import load_model
 
     module = load_model(model, dtype, "cpu").module
-    linears = [module.lm_head] + [getattr(layer, n) for layer in module.layers for n in ("qkv", "o", "gate_up", "down")]
     form = "int8-block" if module.lm_head.blocks is not None else str(module.lm_head.weight.dtype).removeprefix("torch.")
-    return sum(linear.streamed_bytes(1) for linear in linears), form
+    return module.streamed_bytes(1), form
 
 
 def wait_cpu_quiet(busy_below: float = 0.15, window: float = 2.0, timeout: float = 300) -> float:

@@ -145,6 +145,12 @@ class LlamaForCausalLM(nn.Module):
             h, delta = layer(h, delta, cos, sin, attn)
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
 
+    def streamed_bytes(self, rows: int) -> int:
+        """Bytes of weights a forward pass over `rows` rows reads, in the form this module holds them:
+        every layer's projections and the LM head (the embedding rows and the norms are negligible)."""
+        linears = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
+        return sum(linear.streamed_bytes(rows) for linear in [self.lm_head, *linears])
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
