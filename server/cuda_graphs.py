@@ -22,6 +22,7 @@ parameters, and its output goes to the host anyway).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 
 import torch
@@ -32,6 +33,8 @@ from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import EngineConfig
 from tandem.server.model.llama import LlamaForCausalLM
 
+log = logging.getLogger("tandem.engine")
+
 SMALL_SIZES = (1, 2, 4)  # then every STEP
 STEP = 8
 
@@ -40,12 +43,9 @@ def capture_sizes(max_running_requests: int, asked: tuple[int, ...] = ()) -> lis
     """The batch sizes to capture, ascending: `asked` (--cuda-graph-bs), or by default 1, 2, 4,
     then every multiple of 8, up to the running-request limit, which is itself one (a decode step
     never has more sequences than requests hold slots). Padding a batch to the next size costs at
-    most 7 rows, which at these sizes read no more weight bytes (the step's main cost)."""
+    most 7 rows, which at these sizes read no more weight bytes (the step's main cost).
+    `EngineConfig.validate` has checked `asked` against the limit."""
     if asked:
-        bad = [n for n in asked if not 1 <= n <= max_running_requests]
-        if bad:
-            raise ValueError(f"--cuda-graph-bs={bad[0]} is invalid: must be in [1, --max-running-requests "
-                             f"({max_running_requests})]")
         return sorted(set(asked))
     sizes = {n for n in SMALL_SIZES if n < max_running_requests} | set(range(STEP, max_running_requests, STEP))
     return sorted(sizes | {max_running_requests})
@@ -65,6 +65,23 @@ def graphs_unavailable(config: EngineConfig, device: torch.device, role: str, at
     if not isinstance(attention, FlashInferAttention):
         return "the torch attention backend's decode batches change shape every step (use --attention-backend flashinfer)"
     return None
+
+
+def capture_decode_graphs(config: EngineConfig, model: LlamaForCausalLM, kv_cache: PagedKVCache, role: str,
+                          attention, scratch_page: int) -> "DecodeGraphs | None":
+    """The engine's graphs: captured and logged where they can run (`graphs_unavailable`), else
+    None (logged on CUDA)."""
+    off = graphs_unavailable(config, kv_cache.device, role, attention)
+    if off is not None:
+        if kv_cache.device.type == "cuda":
+            log.info("CUDA graphs off: %s", off)
+        return None
+    graphs = DecodeGraphs(model, kv_cache, capture_sizes(config.max_running_requests, config.cuda_graph_bs),
+                          scratch_page)
+    seconds = graphs.capture()
+    log.info("CUDA graphs: decode captured for %d batch sizes (%s) in %.1f s", len(graphs.sizes),
+             ", ".join(map(str, graphs.sizes)), seconds)
+    return graphs
 
 
 class DecodeGraphs:

@@ -47,7 +47,7 @@ import torch
 from tandem.kernels.cpu_ops import idle_compute_threads
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig, EngineConfig
-from tandem.server.cuda_graphs import DecodeGraphs, capture_sizes, graphs_unavailable
+from tandem.server.cuda_graphs import capture_decode_graphs
 from tandem.server.disagg.connector import advertise_host, create_connector
 from tandem.server.disagg.layout import KVLayout
 from tandem.server.grammar import GrammarCompiler
@@ -152,7 +152,8 @@ class Engine:
         self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache,
                                self.kv_events)
         self.runner = ModelRunner(self.model.module, self.kv_cache, config.attention_backend, self.ranks)
-        self._capture_graphs(disagg.role, scratch_page=num_pages)
+        self.runner.graphs = capture_decode_graphs(config, self.model.module, self.kv_cache, disagg.role,
+                                                   self.runner.attn, scratch_page=num_pages)
         self.connector = create_connector(disagg, host, port, self.kv_layout(), self.kv_cache, self.memory,
                                           self._wake, self.observer.on_kv_transfer, self.ranks)
         self.scheduler = Scheduler(self._scheduler_config(), self.memory)
@@ -164,20 +165,6 @@ class Engine:
         self._publish_snapshot()
         if config.compute_priority == "idle":
             self._idle_compute_threads()
-
-    def _capture_graphs(self, role: str, scratch_page: int) -> None:
-        """CUDA graphs for decode steps (`tandem.server.cuda_graphs`), where they can run."""
-        off = graphs_unavailable(self.config, self.model.device, role, self.runner.attn)
-        if off is not None:
-            if self.model.device.type == "cuda":
-                log.info("CUDA graphs off: %s", off)
-            return
-        graphs = DecodeGraphs(self.model.module, self.kv_cache,
-                              capture_sizes(self.config.max_running_requests, self.config.cuda_graph_bs), scratch_page)
-        seconds = graphs.capture()
-        self.runner.graphs = graphs
-        log.info("CUDA graphs: decode captured for %d batch sizes (%s) in %.1f s", len(graphs.sizes),
-                 ", ".join(map(str, graphs.sizes)), seconds)
 
     def _idle_compute_threads(self) -> None:
         """`--compute-priority idle`, on the thread that runs the forward passes, after every

@@ -21,8 +21,8 @@ def test_default_sizes_cover_one_to_the_running_limit():
 
 def test_asked_sizes_are_sorted_and_checked():
     assert capture_sizes(64, (8, 1, 8, 64)) == [1, 8, 64]
-    with pytest.raises(ValueError, match=r"--cuda-graph-bs=65 .*\[1, --max-running-requests \(64\)\]"):
-        capture_sizes(64, (1, 65))
+    with pytest.raises(ValueError, match=r"--cuda-graph-bs=\(1, 65\) .*\[1, --max-running-requests \(64\)\]"):
+        EngineConfig(cuda_graph_bs=(1, 65), max_running_requests=64).validate()
     with pytest.raises(ValueError, match=r"--cuda-graph-bs=\(0,\) is invalid: must be batch sizes in \[1, "):
         EngineConfig(cuda_graph_bs=(0,)).validate()
     EngineConfig(cuda_graph_bs=(1, 64)).validate()
