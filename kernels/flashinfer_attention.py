@@ -46,6 +46,14 @@ def _page_arrays(batch: AttentionBatch, page_size: int) -> tuple[torch.Tensor, t
             torch.tensor([(n - 1) % page_size + 1 for n in batch.kv_lens], dtype=torch.int32))
 
 
+def _plan_arguments(backend: AttentionBackend) -> dict:
+    """What every plan() of `backend` is given beside the page tables. q shares the cache's dtype
+    (both are the model's); run() checks q against q_data_type."""
+    c = backend.kv_cache
+    return dict(num_qo_heads=backend.num_heads, num_kv_heads=c.num_kv_heads, page_size=c.page_size,
+                sm_scale=backend.scale, q_data_type=c.dtype, kv_data_type=c.dtype)
+
+
 class FlashInferAttention(AttentionBackend):
     def __init__(self, kv_cache: PagedKVCache, num_heads: int, head_dim: int, scale: float):
         super().__init__(kv_cache, num_heads, head_dim, scale)
@@ -61,16 +69,11 @@ class FlashInferAttention(AttentionBackend):
             self.workspace, kv_layout="NHD", use_tensor_cores=_uses_tensor_cores(num_heads, kv_cache.num_kv_heads)
         )
         self.wrapper = None
-
-    def _common(self) -> dict:
-        # q shares the cache's dtype (both are the model's); run() checks q against q_data_type.
-        dtype = self.kv_cache.dtype
-        return dict(num_qo_heads=self.num_heads, num_kv_heads=self.kv_cache.num_kv_heads,
-                    page_size=self.kv_cache.page_size, sm_scale=self.scale, q_data_type=dtype, kv_data_type=dtype)
+        self.common = _plan_arguments(self)
 
     def prepare(self, batch: AttentionBatch) -> None:
         kv_indptr_t, kv_indices, last_page_len = _page_arrays(batch, self.kv_cache.page_size)
-        common = self._common()
+        common = self.common
         self.out_slots = batch.out_slots
         if batch.num_extends == 0:
             self.decode.plan(
@@ -133,6 +136,7 @@ class FlashInferGraphDecode(FlashInferAttention):
         )
         self.wrapper = self.decode
         self.out_slots = out_slots
+        self.common = _plan_arguments(self)
 
     def prepare(self, batch: AttentionBatch) -> None:
         if batch.num_extends or len(batch.q_lens) != self.batch_size:
@@ -140,6 +144,6 @@ class FlashInferGraphDecode(FlashInferAttention):
                              f"{batch.num_extends} of them prompt pieces")
         kv_indptr_t, kv_indices, last_page_len = _page_arrays(batch, self.kv_cache.page_size)
         self.decode.plan(indptr=kv_indptr_t, indices=kv_indices, last_page_len=last_page_len,
-                         head_dim=self.head_dim, **self._common())
+                         head_dim=self.head_dim, **self.common)
         if batch.out_slots is not self.out_slots:
             self.out_slots.copy_(batch.out_slots)
