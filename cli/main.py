@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem.common.options import add_arguments, flag, from_args
 from tandem.server.config import DisaggConfig, EngineConfig, ServeConfig
-from tandem.server.sampling_params import Constraint, SamplingParams
+from tandem.server.scheduling.sampling_params import Constraint, SamplingParams
 
 # On the command line sampling is greedy unless asked otherwise (an API request's default is 1.0).
 CLI_SAMPLING_DEFAULTS = {"temperature": 0.0}
@@ -76,9 +76,9 @@ def _read_prompts(args) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
     from tandem.server.model import ModelLoadError
-    from tandem.server.sampling_params import InvalidRequestError
+    from tandem.server.scheduling.sampling_params import InvalidRequestError
 
     prompts = _read_prompts(args)
     params = _sampling_params(args)
@@ -111,7 +111,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tandem.server.serve import run
+    from tandem.server.edge.serve import run
 
     try:
         return run(from_args(args, EngineConfig), from_args(args, ServeConfig), from_args(args, DisaggConfig))
@@ -228,7 +228,7 @@ def cmd_bench_autoscale(args) -> int:
 
 def cmd_export_tokenizer(args) -> int:
     from tandem.server.model.loader import resolve_model
-    from tandem.server.tokenizer import export_tokenizer
+    from tandem.server.model.tokenizer import export_tokenizer
 
     print(export_tokenizer(resolve_model(args.model), Path(args.dir)))
     return 0

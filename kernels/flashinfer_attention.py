@@ -105,7 +105,7 @@ class FlashInferAttention(AttentionBackend):
 
 
 class FlashInferGraphDecode(FlashInferAttention):
-    """Decode attention for a CUDA graph of a fixed batch size (`tandem.server.cuda_graphs`).
+    """Decode attention for a CUDA graph of a fixed batch size (`tandem.server.loop.cuda_graphs`).
 
     The graph captures the kernels with the addresses of this backend's buffers: the page tables
     (kv indptr, page ids, last page lengths) and the new tokens' KV slots. `prepare` runs before

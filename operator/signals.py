@@ -1,6 +1,6 @@
 """What one server reports, and what a pool's servers add up to. Pure: no I/O.
 
-A server's `/metrics` (server/metrics.py) is read into a PodSignals; a pool's load in replica
+A server's `/metrics` (server/edge/metrics.py) is read into a PodSignals; a pool's load in replica
 units comes from its servers' signals and the pool's per-replica targets:
 
     prefill  (waiting + bootstrap queue) / waitingPerReplica, or with queueSecondsPerReplica:

@@ -26,7 +26,7 @@ def smollm_fp32():
 def make_engine(smollm_fp32):
     """Factory: make_engine(**EngineConfig overrides) -> a running Engine on the shared fp32 model."""
     from tandem.server.config import EngineConfig
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     engines = []
 

@@ -62,7 +62,7 @@ def router_count(text: str, name: str, **labels: str) -> int:
 
 def run(args, engine_args: list[str]) -> int:
     from tandem.server.model.loader import resolve_model
-    from tandem.server.tokenizer import load_tokenizer
+    from tandem.server.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-cache-routing-"))

@@ -18,10 +18,10 @@ from tandem.server.config import DisaggConfig, EngineConfig
 def run_pair(config: EngineConfig, prefill_tp: int, decode_tp: int, prompt_len: int, requests: int) -> dict:
     from dataclasses import replace
 
-    from tandem.server.engine import Engine
-    from tandem.server.request import Bootstrap
-    from tandem.server.sampling_params import SamplingParams
-    from tandem.server.stats import StatsObserver
+    from tandem.server.loop.engine import Engine
+    from tandem.server.scheduling.request import Bootstrap
+    from tandem.server.scheduling.sampling_params import SamplingParams
+    from tandem.server.loop.stats import StatsObserver
     from tandem.tools.stack import free_port
 
     class Writes(StatsObserver):

@@ -39,8 +39,8 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
 
 def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
     """`outputs`: if given, gets each request's output token ids."""
-    from tandem.server.engine import Engine
-    from tandem.server.sampling_params import SamplingParams
+    from tandem.server.loop.engine import Engine
+    from tandem.server.scheduling.sampling_params import SamplingParams
 
     engine = Engine(config)
     forward = [0.0]  # seconds inside runner.run: the forward passes and sampling

@@ -83,7 +83,7 @@ def transfer_vs_memcpy(nbytes: int, repeats: int = 20) -> dict:
 def run(args, engine_args: list[str]) -> int:
     from tandem.server.model.loader import resolve_model
     from tandem.tools.stack import LocalStack, metric_value
-    from tandem.server.tokenizer import load_tokenizer
+    from tandem.server.model.tokenizer import load_tokenizer
 
     if args.shared_prefix:
         work = bench_cache_routing.make_workload(args.system_prompts, args.users, args.system_len, args.question_len,

@@ -193,7 +193,7 @@ def run(args, engine_args: list[str]) -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds={args.rounds} is invalid: must be >= 1")
     from tandem.server.model.loader import resolve_model
-    from tandem.server.tokenizer import load_tokenizer
+    from tandem.server.model.tokenizer import load_tokenizer
     from tandem.tools.stack import LocalStack, free_port
 
     home = Path(args.home).expanduser()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tandem.common.stats import percentile
 from tandem.tools.bench_offline import make_workload
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -67,7 +67,7 @@ def openai_runner(target: str, model_name: str, tokenizer):
 
 def run(args) -> int:
     from tandem.server.model.loader import resolve_model
-    from tandem.server.tokenizer import load_tokenizer
+    from tandem.server.model.tokenizer import load_tokenizer
 
     work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
     if args.openai:

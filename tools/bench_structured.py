@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.server.sampling_params import Constraint, SamplingParams
+from tandem.server.scheduling.sampling_params import Constraint, SamplingParams
 from tandem.tools.bench_offline import make_workload
 from tandem.tools.bench_serve import Sample, drive
 
@@ -58,7 +58,7 @@ def mask_cost(compiler, schema: str, rows: int = 4, batch: int = 8) -> dict:
     import torch
 
     from tandem.kernels.sampling import apply_token_bitmask
-    from tandem.server.grammar import token_bitmask
+    from tandem.server.loop.grammar import token_bitmask
 
     vocab_size = compiler.vocab_size
     matchers = [compiler.matcher(Constraint("json_schema", schema)) for _ in range(rows)]
@@ -80,9 +80,9 @@ def mask_cost(compiler, schema: str, rows: int = 4, batch: int = 8) -> dict:
 def run(args, engine_args: list[str]) -> int:
     from smg_grpc_proto import sglang_scheduler_pb2 as pb
 
-    from tandem.server.grammar import GrammarCompiler
+    from tandem.server.loop.grammar import GrammarCompiler
     from tandem.server.model.loader import resolve_model
-    from tandem.server.tokenizer import load_tokenizer
+    from tandem.server.model.tokenizer import load_tokenizer
     from tandem.tools.client import Client, request_message
     from tandem.tools.stack import LocalStack
 

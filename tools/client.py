@@ -16,8 +16,8 @@ import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tandem.server.grpc_servicer import sampling_params_message
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.edge.grpc_servicer import sampling_params_message
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -86,14 +86,14 @@ class Client:
 
 def _load_tokenizer(model: str):
     from tandem.server.model.loader import resolve_model
-    from tandem.server.tokenizer import load_tokenizer
+    from tandem.server.model.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model(model))
 
 
 def _stream_to_terminal(client: Client, tokenizer, prompt_ids: list[int], params: SamplingParams,
                         bootstrap: tuple[str, int, int] | None = None) -> tuple[ClientResult, str]:
-    from tandem.server.tokenizer import IncrementalDetokenizer
+    from tandem.server.model.tokenizer import IncrementalDetokenizer
 
     detok = IncrementalDetokenizer(tokenizer)
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tandem.server.config import EngineConfig
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -25,7 +25,7 @@ QUESTIONS = [
 
 
 def run_offline_demo(config: EngineConfig, max_new_tokens: int) -> int:
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     t0 = time.monotonic()
     print(f"loading {config.model} ({config.dtype}) ...", flush=True)

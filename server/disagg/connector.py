@@ -23,8 +23,8 @@ from typing import Callable, Protocol
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.layout import KVBuffer, KVLayout, Writes
-from tandem.server.memory import KVMemory
-from tandem.server.request import Finish, Request
+from tandem.server.scheduling.memory import KVMemory
+from tandem.server.scheduling.request import Finish, Request
 
 
 class OtherRanks(Protocol):

@@ -42,9 +42,9 @@ from tandem.server.disagg.rooms import RoomState, new_instance_id
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
 from tandem.server.disagg.layout import KVLayout, LayoutMismatch, prompt_digest
 from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer, token_major
-from tandem.server.memory import KVMemory
-from tandem.server.request import Request
-from tandem.server.sampling_params import InvalidRequestError
+from tandem.server.scheduling.memory import KVMemory
+from tandem.server.scheduling.request import Request
+from tandem.server.scheduling.sampling_params import InvalidRequestError
 
 log = logging.getLogger("tandem.decode")
 

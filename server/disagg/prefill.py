@@ -35,9 +35,9 @@ from tandem.server.disagg.rooms import RoomState, RoomTable
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
 from tandem.server.disagg.layout import KVLayout, Writes, prompt_digest, transfer_plan
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, MooncakeTransfer, RecordBuffer
-from tandem.server.memory import KVMemory
-from tandem.server.request import Request
-from tandem.server.sampling_params import InvalidRequestError
+from tandem.server.scheduling.memory import KVMemory
+from tandem.server.scheduling.request import Request
+from tandem.server.scheduling.sampling_params import InvalidRequestError
 
 log = logging.getLogger("tandem.prefill")
 

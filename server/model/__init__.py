@@ -120,7 +120,7 @@ def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, devi
 def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto", shard: Shard = Shard(),
                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LoadedModel:
     """`shard`, `all_reduce`: load one tensor-parallel rank's share (`tandem.server.model.shard`)."""
-    from tandem.server.tokenizer import load_tokenizer
+    from tandem.server.model.tokenizer import load_tokenizer
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r} is invalid: choose auto or one of {', '.join(DTYPES)}")

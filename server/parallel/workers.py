@@ -226,7 +226,7 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
     from tandem.kernels.kv_cache import PagedKVCache
     from tandem.server.model import Shard, load_model, resolve_device
     from tandem.server.disagg.transfer import token_major
-    from tandem.server.runner import forward_pass
+    from tandem.server.loop.runner import forward_pass
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
     _die_with_parent(parent)

@@ -18,7 +18,7 @@ import pytest
 from support.checks import assert_engine_clean
 from support.gpu import random_model
 from support.serving import ServerProcess, assert_all_freed, free_port
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 from tandem.tools.client import Client, request_message
 
 pytestmark = pytest.mark.gpu
@@ -32,7 +32,7 @@ GROUPS, PER_GROUP, PREFIX = 8, 8, 384  # 64 prompts: 8 groups sharing a 384-toke
 @pytest.fixture(scope="module")
 def colocated():
     from tandem.server.config import EngineConfig, ServeConfig
-    from tandem.server.serve import Server
+    from tandem.server.edge.serve import Server
 
     server = Server(EngineConfig(**ENGINE, max_running_requests=64, max_total_tokens=49152),
                     ServeConfig(port=free_port(), metrics_port=free_port()))

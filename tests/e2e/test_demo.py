@@ -14,7 +14,7 @@ import torch
 
 from tandem.server.config import EngineConfig
 from tandem.tools.demo import QUESTIONS
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 from tandem.tools.stack import http_post
 
 
@@ -80,7 +80,7 @@ def test_offline_demo_streams_answers():
 
 
 def test_bfloat16_engine_serves():
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=2048, page_size=16)) as engine:
         # bf16-rounded weights; math and KV cache in float32 unless the CPU does bf16 natively.

@@ -23,7 +23,7 @@ from support.checks import assert_matches_reference
 from support.serving import ServerProcess, metric_value
 from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
 from tandem.tools.client import Client, request_message
-from tandem.server.sampling_params import Constraint, SamplingParams
+from tandem.server.scheduling.sampling_params import Constraint, SamplingParams
 
 POOL = 6144
 

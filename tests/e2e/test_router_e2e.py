@@ -15,7 +15,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from support.serving import RouterProcess, ServerProcess, http_post
 from support.structured import SCHEMAS, chat_completions_json
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 POOL = 4096
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -40,7 +40,7 @@ post = http_post
 def expected_answer(smollm_fp32):
     """What the in-process engine answers greedily to QUESTION."""
     from tandem.server.config import EngineConfig
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     prompt = smollm_fp32.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     with Engine(EngineConfig(max_total_tokens=2048), model=smollm_fp32) as engine:

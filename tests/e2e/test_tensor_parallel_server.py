@@ -17,7 +17,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from support.checks import assert_matches_reference
 from support.prompts import prompts
 from support.serving import ServerProcess, process_gone
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 from tandem.tools.client import Client, request_message
 
 

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (`tandem.server.cuda_graphs`) against the same steps run
+"""Decode steps replayed from CUDA graphs (`tandem.server.loop.cuda_graphs`) against the same steps run
 eagerly, on the GPU, for a Llama-3-8B-shaped model (head dim 128) and a Llama-3.2-1B-shaped one
 (head dim 64), two layers each, random weights.
 
@@ -21,10 +21,10 @@ from support.checks import assert_engine_clean
 from support.gpu import random_model
 from tandem.kernels.flashinfer_attention import FlashInferAttention
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
-from tandem.server.cuda_graphs import DecodeGraphs
+from tandem.server.loop.cuda_graphs import DecodeGraphs
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.random_weights import random_weights, shape_config
-from tandem.server.runner import ForwardInputs, forward_pass
+from tandem.server.loop.runner import ForwardInputs, forward_pass
 
 pytestmark = pytest.mark.gpu
 
@@ -85,9 +85,9 @@ def test_engine_decodes_through_graphs():
     them for its decode steps (overlapped, as on CUDA by default), and leaks nothing; with
     --disable-cuda-graph it captures none."""
     from tandem.server.config import EngineConfig
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
     from tandem.server.model import load_model
-    from tandem.server.sampling_params import SamplingParams
+    from tandem.server.scheduling.sampling_params import SamplingParams
 
     model = load_model(random_model("llama3.2-1b"), "bfloat16", "cuda")
     rng = random.Random(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tandem.server.tokenizer import IncrementalDetokenizer
+from tandem.server.model.tokenizer import IncrementalDetokenizer
 
 
 def test_incremental_text_equals_full_decode(smollm_fp32):

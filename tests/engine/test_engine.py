@@ -14,9 +14,9 @@ from functools import partial
 import pytest
 
 from tandem.server.config import EngineConfig
-from tandem.server.inbox import Call
+from tandem.server.loop.inbox import Call
 from tandem.server.model.loader import ModelLoadError, load_weights, resolve_model
-from tandem.server.sampling_params import InvalidRequestError, SamplingParams
+from tandem.server.scheduling.sampling_params import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
@@ -249,7 +249,7 @@ def test_logprobs_only_for_requests_that_ask(make_engine):
 
 
 def test_stopped_engine_refuses_and_ends_everything(smollm_fp32):
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     engine = Engine(EngineConfig(max_total_tokens=2048), model=smollm_fp32).start()
     streams = [engine.submit(f"Story number {i}:", SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)) for i in range(4)]
@@ -267,7 +267,7 @@ def test_engine_shut_down_before_it_started_ends_what_was_submitted(smollm_fp32)
     """The loop runs only after start(); what was submitted before a shutdown still ends."""
     from concurrent.futures import Future
 
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     engine = Engine(EngineConfig(max_total_tokens=2048), model=smollm_fp32)
     stream = engine.submit("never run", GREEDY, rid="early")
@@ -300,10 +300,10 @@ def test_hf_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("plain", [False, True], ids=["overlap", "plain"])
 def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_here(monkeypatch, plain):
-    """All torch work on one thread (the OpenMP pools: see server/engine.py), the one that runs
+    """All torch work on one thread (the OpenMP pools: see server/loop/engine.py), the one that runs
     the forward passes: the runner thread under overlap scheduling, else the engine thread. What
     loading raises comes out of the constructor, and nothing is left running."""
-    from tandem.server import engine as engine_module
+    from tandem.server.loop import engine as engine_module
 
     loaded_on = []
 

@@ -9,7 +9,7 @@ import pytest
 
 from support.checks import assert_matches_reference
 from support.prompts import prompts
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
 

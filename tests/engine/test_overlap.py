@@ -8,8 +8,8 @@ import torch
 
 from support.checks import assert_engine_clean
 from tandem.server.config import EngineConfig
-from tandem.server.engine import Engine, overlap_scheduling
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.loop.engine import Engine, overlap_scheduling
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(1000, 1040))  # 40 tokens: two whole pages of 16 to cache

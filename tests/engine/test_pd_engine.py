@@ -16,8 +16,8 @@ from support.checks import assert_engine_clean, assert_matches_reference, cached
 from support.serving import free_port
 from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
 from tandem.server.config import DisaggConfig, EngineConfig
-from tandem.server.request import Bootstrap
-from tandem.server.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from tandem.server.scheduling.request import Bootstrap
+from tandem.server.scheduling.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -34,7 +34,7 @@ def collect_engines_now():
 def make_pd(smollm_fp32, prefill=None, decode=None, decode_engine=None, **engine):
     """(prefill engine, decode engine, bootstrap port). `prefill`, `decode`: DisaggConfig fields of
     each; `engine`: EngineConfig fields of both, `decode_engine` the decode's own."""
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     engine.setdefault("max_total_tokens", 8192)
     port = free_port()
@@ -405,7 +405,7 @@ def test_requests_without_bootstrap_are_invalid(pd):
 
 
 def test_layout_mismatch_is_refused_at_the_handshake(smollm_fp32):
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     port = free_port()
     p = Engine(EngineConfig(max_total_tokens=4096, page_size=32), model=smollm_fp32,
@@ -434,14 +434,14 @@ def _wait_idle(*engines, timeout=30.0):
 
 
 def _prefill(smollm_fp32, port):
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     return Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32,
                   disagg=DisaggConfig(role="prefill", bootstrap_port=port)).start()
 
 
 def _decode(smollm_fp32, heartbeat):
-    from tandem.server.engine import Engine
+    from tandem.server.loop.engine import Engine
 
     return Engine(EngineConfig(max_total_tokens=4096), model=smollm_fp32,
                   disagg=DisaggConfig(role="decode", peer_heartbeat_interval=heartbeat)).start()

@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
-from tandem.server.grammar import GrammarCompiler
-from tandem.server.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from tandem.server.loop.grammar import GrammarCompiler
+from tandem.server.scheduling.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 GREEDY, SAMPLED = dict(temperature=0.0), dict(temperature=1.0, seed=7)
 # A grammar with a long, fixed shape: every output is 13 words, whatever the model prefers.

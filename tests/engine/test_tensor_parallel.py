@@ -11,8 +11,8 @@ from support.checks import assert_engine_clean, assert_matches_reference
 from support.prompts import prompts
 from support.serving import process_gone
 from tandem.server.config import EngineConfig
-from tandem.server.engine import Engine
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.loop.engine import Engine
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -66,7 +66,7 @@ def test_a_code_change_rebuilds_only_the_last_layer(docker, images, tmp_path):
             os.link(REPO / name, copy / name)
         except OSError:
             shutil.copy2(REPO / name, copy / name)
-    for changed in ("server/engine.py", "common/stats.py"):
+    for changed in ("server/loop/engine.py", "common/stats.py"):
         (copy / changed).unlink()  # a file of its own, not the repository's through the hard link
         (copy / changed).write_text((REPO / changed).read_text() + "# a change\n")
     tag, targets = f"{TAG}-changed", ("operator", "server-cpu")

@@ -84,8 +84,8 @@ def assert_greedy_matches_reference(model, hf_reference, prompt_ids: list[list[i
     output token-identical to HF's greedy output up to a near tie below `tolerance`; the engine
     left clean."""
     from tandem.server.config import EngineConfig
-    from tandem.server.engine import Engine
-    from tandem.server.sampling_params import SamplingParams
+    from tandem.server.loop.engine import Engine
+    from tandem.server.scheduling.sampling_params import SamplingParams
 
     workload = [(p, *hf_reference.greedy(p, new_tokens)) for p in prompt_ids]
     greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)

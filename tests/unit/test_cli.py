@@ -8,7 +8,7 @@ import pytest
 from tandem.cli.main import build_parser, changed_engine_flags
 from tandem.common.options import from_args
 from tandem.server.config import EngineConfig
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 
 def test_engine_flags_passed_on_to_serve_parse_there_to_the_same_config():

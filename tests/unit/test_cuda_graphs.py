@@ -9,7 +9,7 @@ import torch
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import EngineConfig
-from tandem.server.cuda_graphs import DecodeGraphs, capture_sizes, graphs_unavailable
+from tandem.server.loop.cuda_graphs import DecodeGraphs, capture_sizes, graphs_unavailable
 
 
 def test_default_sizes_cover_one_to_the_running_limit():

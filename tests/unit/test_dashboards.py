@@ -15,7 +15,7 @@ import pytest
 from support.chart import rendered_rules
 from tandem.operator import dashboards
 from tandem.operator.metrics import exported_metric_names as operator_metric_names
-from tandem.server.metrics import exported_metric_names as server_metric_names
+from tandem.server.edge.metrics import exported_metric_names as server_metric_names
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDER = REPO / dashboards.DASHBOARD_DIR

@@ -9,8 +9,8 @@ from tandem.operator.decision import Decision, Policy, Sample, decide
 from tandem.operator.scaler import PoolTracker
 from tandem.operator.signals import PodSignals, decode_load, prefill_load, prefill_rate
 from tandem.operator.spec import DecodeAutoscaling, PrefillAutoscaling
-from tandem.server.metrics import Metrics
-from tandem.server.stats import EngineSnapshot
+from tandem.server.edge.metrics import Metrics
+from tandem.server.loop.stats import EngineSnapshot
 
 INTERVAL = 15.0
 PREFILL = Policy(min_replicas=1, max_replicas=8, scale_down_window=300)

@@ -12,11 +12,11 @@ import threading
 import pytest
 
 from support.checks import cached_prefixes
-from tandem.server.kv_events import (
+from tandem.server.kvcache.kv_events import (
     AllCleared, BlocksRemoved, BlocksStored, CursorError, KvEventPublisher, SubscriberLimitError, block_hash, page_digests,
 )
-from tandem.server.page_allocator import PageAllocator
-from tandem.server.prefix_cache import RadixCache
+from tandem.server.kvcache.page_allocator import PageAllocator
+from tandem.server.kvcache.prefix_cache import RadixCache
 
 P = 4
 

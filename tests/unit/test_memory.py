@@ -3,9 +3,9 @@ after every operation (free + cached + owned by requests == total)."""
 
 from __future__ import annotations
 
-from tandem.server.memory import KVMemory
-from tandem.server.request import Request
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.memory import KVMemory
+from tandem.server.scheduling.request import Request
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 
 def make_request(rid: str, prompt: list[int], max_new_tokens: int = 8) -> Request:

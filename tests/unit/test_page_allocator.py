@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.page_allocator import PageAllocator
-from tandem.server.slot_table import SlotTable
+from tandem.server.kvcache.page_allocator import PageAllocator
+from tandem.server.kvcache.slot_table import SlotTable
 
 
 def test_alloc_hands_out_distinct_pages_until_empty():

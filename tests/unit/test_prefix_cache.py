@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.page_allocator import PageAllocator
-from tandem.server.prefix_cache import ChunkCache, RadixCache
+from tandem.server.kvcache.page_allocator import PageAllocator
+from tandem.server.kvcache.prefix_cache import ChunkCache, RadixCache
 
 
 def make_cache(page_size: int, num_pages: int = 32) -> RadixCache:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.kernels.sampling import SamplingRow, apply_penalties, apply_token_bitmask, sample
-from tandem.server.sampling_params import Constraint, InvalidRequestError, SamplingParams
+from tandem.server.scheduling.sampling_params import Constraint, InvalidRequestError, SamplingParams
 
 VOCAB = 32
 
@@ -208,7 +208,7 @@ def test_no_logprobs_unless_asked():
 ])
 def test_sampling_params_cross_the_grpc_wire_unchanged(params):
     """What a client sends (tools.client) is what the servicer hands the engine."""
-    from tandem.server.grpc_servicer import to_sampling_params
+    from tandem.server.edge.grpc_servicer import to_sampling_params
     from tandem.tools.client import request_message
 
     message = request_message([1, 2, 3], params)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.memory import KVMemory
-from tandem.server.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
-from tandem.server.policy import CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS, prefill_tokens_per_pass
-from tandem.server.request import Finish, Request, Status
-from tandem.server.sampling_params import SamplingParams
-from tandem.server.scheduler import Scheduler, SchedulerConfig
+from tandem.server.scheduling.memory import KVMemory
+from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
+from tandem.server.scheduling.policy import CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS, prefill_tokens_per_pass
+from tandem.server.scheduling.request import Finish, Request, Status
+from tandem.server.scheduling.sampling_params import SamplingParams
+from tandem.server.scheduling.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 TOKEN = 7  # what the fake runner samples unless told otherwise

@@ -20,10 +20,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from tandem.server.memory import KVMemory
-from tandem.server.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
-from tandem.server.policy import NewTokenRatio, PrefillBudget, order_waiting
-from tandem.server.request import Finish, Request, Status
+from tandem.server.scheduling.memory import KVMemory
+from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
+from tandem.server.scheduling.policy import NewTokenRatio, PrefillBudget, order_waiting
+from tandem.server.scheduling.request import Finish, Request, Status
 
 
 @dataclass(frozen=True)

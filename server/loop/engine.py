@@ -20,7 +20,7 @@ with an error) when one of them is lost.
 One iteration of the loop: apply the inbox, then `step()`: poll the KV connector (handing it
 what the scheduler reports, applying what it asks through the scheduler) -> schedule ->
 execute -> update -> publish outputs, the snapshot of statistics and the step's KV events (what
-the prefix cache stored and dropped, `tandem.server.kv_events`).
+the prefix cache stored and dropped, `tandem.server.kvcache.kv_events`).
 
 Overlap scheduling (the default on CUDA and for a decode; `--no-disable-overlap-schedule` asks
 for it on a CPU, `--disable-overlap-schedule` turns it off: `overlap_scheduling`) is a second loop
@@ -47,27 +47,27 @@ import torch
 from tandem.kernels.cpu_ops import idle_compute_threads
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig, EngineConfig
-from tandem.server.cuda_graphs import capture_decode_graphs
+from tandem.server.loop.cuda_graphs import capture_decode_graphs
 from tandem.server.disagg.connector import advertise_host, create_connector
 from tandem.server.disagg.layout import KVLayout
-from tandem.server.grammar import GrammarCompiler
-from tandem.server.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
-from tandem.server.intake import Intake, RequestStream
-from tandem.server.kv_events import KvEventPublisher, Subscription
-from tandem.server.kv_pool import kv_layout, num_kv_pages
-from tandem.server.memory import KVMemory
+from tandem.server.loop.grammar import GrammarCompiler
+from tandem.server.loop.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
+from tandem.server.loop.intake import Intake, RequestStream
+from tandem.server.kvcache.kv_events import KvEventPublisher, Subscription
+from tandem.server.loop.kv_pool import kv_layout, num_kv_pages
+from tandem.server.scheduling.memory import KVMemory
 from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
-from tandem.server.outputs import CompletedOutput
-from tandem.server.output_processor import OutputProcessor
+from tandem.server.loop.outputs import CompletedOutput
+from tandem.server.loop.output_processor import OutputProcessor
 from tandem.server.parallel.group import threads_per_rank
 from tandem.server.parallel.workers import RankPool, RankSpec
-from tandem.server.plan import StepOutput, StepPlan
-from tandem.server.policy import prefill_tokens_per_pass
-from tandem.server.request import Bootstrap, Finish
-from tandem.server.runner import ModelRunner
-from tandem.server.sampling_params import SamplingParams
-from tandem.server.scheduler import Scheduler, SchedulerConfig
-from tandem.server.stats import EngineSnapshot, StatsObserver
+from tandem.server.scheduling.plan import StepOutput, StepPlan
+from tandem.server.scheduling.policy import prefill_tokens_per_pass
+from tandem.server.scheduling.request import Bootstrap, Finish
+from tandem.server.loop.runner import ModelRunner
+from tandem.server.scheduling.sampling_params import SamplingParams
+from tandem.server.scheduling.scheduler import Scheduler, SchedulerConfig
+from tandem.server.loop.stats import EngineSnapshot, StatsObserver
 
 log = logging.getLogger("tandem.engine")
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tandem.server.sampling_params import SamplingParams
+from tandem.server.scheduling.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -44,7 +44,7 @@ class Bootstrap:
 
 
 class GrammarState(Protocol):
-    """A constrained request's place in its grammar (`tandem.server.grammar.Matcher`)."""
+    """A constrained request's place in its grammar (`tandem.server.loop.grammar.Matcher`)."""
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False when the grammar does not allow it."""

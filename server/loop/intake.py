@@ -13,10 +13,10 @@ import uuid
 from typing import Callable, Iterator, Sequence
 
 from tandem.server.config import EngineConfig
-from tandem.server.grammar import GrammarCompiler
-from tandem.server.outputs import CompletedOutput, StreamOutput
-from tandem.server.request import Request
-from tandem.server.sampling_params import CapacityError, InvalidRequestError, SamplingParams
+from tandem.server.loop.grammar import GrammarCompiler
+from tandem.server.loop.outputs import CompletedOutput, StreamOutput
+from tandem.server.scheduling.request import Request
+from tandem.server.scheduling.sampling_params import CapacityError, InvalidRequestError, SamplingParams
 
 _DONE = object()  # end-of-stream marker in a RequestStream's queue
 

@@ -6,11 +6,11 @@ does the torch work. Under overlap scheduling they run on different threads, and
 each FUTURE_TOKEN with what the step before sampled for that request.
 
 Structured output: before sampling, `run` masks each constrained request's logits row with what its
-grammar allows next (`tandem.server.grammar`), and after, advances its matcher by the token drawn.
+grammar allows next (`tandem.server.loop.grammar`), and after, advances its matcher by the token drawn.
 Steps run one after another on one thread, so a step always sees its requests' matchers advanced
 by the step before.
 
-On CUDA, decode steps replay CUDA graphs (`graphs`, `tandem.server.cuda_graphs`) where the engine
+On CUDA, decode steps replay CUDA graphs (`graphs`, `tandem.server.loop.cuda_graphs`) where the engine
 captured them; other steps, and every step without them, run the model eagerly.
 
 With tensor parallelism the runner is rank 0's: each forward pass's `ForwardInputs` go to the
@@ -28,10 +28,10 @@ import torch
 from tandem.kernels.attention import AttentionBackend, AttentionBatch, create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.sampling import SamplingRow, sample
-from tandem.server.cuda_graphs import DecodeGraphs
-from tandem.server.grammar import Matcher, token_bitmask
+from tandem.server.loop.cuda_graphs import DecodeGraphs
+from tandem.server.loop.grammar import Matcher, token_bitmask
 from tandem.server.model.llama import LlamaForCausalLM
-from tandem.server.plan import FUTURE_TOKEN, StepOutput, StepPlan
+from tandem.server.scheduling.plan import FUTURE_TOKEN, StepOutput, StepPlan
 
 
 @dataclass

@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tandem.server.intake import RequestStream
-from tandem.server.outputs import StreamOutput
-from tandem.server.request import Finish, Request
-from tandem.server.stats import StatsObserver
-from tandem.server.stop_strings import StopStringMatcher
-from tandem.server.tokenizer import IncrementalDetokenizer
+from tandem.server.loop.intake import RequestStream
+from tandem.server.loop.outputs import StreamOutput
+from tandem.server.scheduling.request import Finish, Request
+from tandem.server.loop.stats import StatsObserver
+from tandem.server.loop.stop_strings import StopStringMatcher
+from tandem.server.model.tokenizer import IncrementalDetokenizer
 
 
 @dataclass

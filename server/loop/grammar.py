@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.server.sampling_params import Constraint, InvalidRequestError
+from tandem.server.scheduling.sampling_params import Constraint, InvalidRequestError
 
 log = logging.getLogger("tandem.grammar")
 

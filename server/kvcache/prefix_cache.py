@@ -3,7 +3,7 @@
 Both work in whole pages: a cached prefix always covers a multiple of `page_size` tokens, and the
 cache owns the pages it holds. Requests pin what they use with `lock`; only unpinned pages can be
 evicted, least recently used leaves first. The radix cache names each page by a hash chained over
-the tokens up to it (`tandem.server.kv_events`) and reports what it stores, evicts and clears to
+the tokens up to it (`tandem.server.kvcache.kv_events`) and reports what it stores, evicts and clears to
 an event recorder, from which routers learn where each prefix is cached.
 """
 
@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from tandem.server.kv_events import BlocksStored, block_hash, page_digests
-from tandem.server.page_allocator import PageAllocator
+from tandem.server.kvcache.kv_events import BlocksStored, block_hash, page_digests
+from tandem.server.kvcache.page_allocator import PageAllocator
 
 
 @dataclass

@@ -8,10 +8,10 @@ free + cached + owned by requests == total.
 
 from __future__ import annotations
 
-from tandem.server.page_allocator import PageAllocator
-from tandem.server.prefix_cache import ChunkCache, EventRecorder, PrefixCache, PrefixMatch, RadixCache
-from tandem.server.request import Request
-from tandem.server.slot_table import SlotTable
+from tandem.server.kvcache.page_allocator import PageAllocator
+from tandem.server.kvcache.prefix_cache import ChunkCache, EventRecorder, PrefixCache, PrefixMatch, RadixCache
+from tandem.server.scheduling.request import Request
+from tandem.server.kvcache.slot_table import SlotTable
 
 
 class KVMemory:

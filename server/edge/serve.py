@@ -40,11 +40,11 @@ class Server:
     `wait()`; `drain()` from any thread (the signal handler calls it)."""
 
     def __init__(self, engine_config: EngineConfig, config: ServeConfig, disagg: DisaggConfig | None = None):
-        from tandem.server.engine import Engine
-        from tandem.server.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
-        from tandem.server.metrics import Metrics
+        from tandem.server.loop.engine import Engine
+        from tandem.server.edge.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
+        from tandem.server.edge.metrics import Metrics
         from tandem.server.model.loader import resolve_model
-        from tandem.server.tokenizer import tokenizer_dir
+        from tandem.server.model.tokenizer import tokenizer_dir
 
         config.validate()
         disagg = disagg or DisaggConfig()

@@ -30,7 +30,7 @@ class CapacityError(InvalidRequestError):
 
 @dataclass(frozen=True)
 class Constraint:
-    """Structured output: the grammar every output must match (`tandem.server.grammar`), as text.
+    """Structured output: the grammar every output must match (`tandem.server.loop.grammar`), as text.
     `kind` names the field it came in (the gRPC oneof's names)."""
 
     kind: Literal["regex", "json_schema", "ebnf_grammar", "structural_tag"]

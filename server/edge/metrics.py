@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tandem.server.stats import EngineSnapshot, StatsObserver
+from tandem.server.loop.stats import EngineSnapshot, StatsObserver
 
 # From 1 ms (a GPU decode step) to two minutes (a long CPU request under load).
 LATENCY_BUCKETS = (

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Union
 
-from tandem.server.intake import RequestStream
+from tandem.server.loop.intake import RequestStream
 
 
 @dataclass(frozen=True)
