@@ -1,7 +1,8 @@
 """The engine loop: one thread that owns the model, the KV pool and the scheduler, and turns
 requests into tokens. Other threads talk to it through the inbox only.
 
-    engine.py            Engine: builds the parts and runs the loop (one step after another)
+    engine.py            Engine: builds the parts, runs the loop on its thread, the public API
+    steps.py             one step (poll, schedule, execute, update, publish), plain or overlapped
     inbox.py             what other threads ask of the loop, as typed messages
     intake.py            validation and tokenization on the caller's thread
     runner.py            ModelRunner: a StepPlan -> tensors -> forward pass -> sampled tokens

@@ -17,29 +17,17 @@ With `--tp-size N`, ranks 1..N-1 run in processes of their own (`tandem.server.p
 engine is rank 0, hands each forward pass to them, and fails (`failure`, every open request ends
 with an error) when one of them is lost.
 
-One iteration of the loop: apply the inbox, then `step()`: poll the KV connector (handing it
-what the scheduler reports, applying what it asks through the scheduler) -> schedule ->
-execute -> update -> publish outputs, the snapshot of statistics and the step's KV events (what
-the prefix cache stored and dropped, `tandem.server.kvcache.kv_events`).
-
-Overlap scheduling (the default on CUDA and for a decode; `--no-disable-overlap-schedule` asks
-for it on a CPU, `--disable-overlap-schedule` turns it off: `overlap_scheduling`) is a second loop
-over the same calls, `step_overlapped()`: the forward passes run on a runner thread, and while
-it computes step N the engine thread plans step N+1 and launches it, then, until step N is
-done, applies the inbox and polls the connector, and takes step N's output (update, publish).
-The runner thread then does all of the process's torch work, the model's
-loading included, for the reason above. Every step runs after the one launched before it, so
-what the scheduler frees or shares now is only read or written again by later steps. A failed
-forward pass fails the engine, as it does with tensor parallelism: the step after it is already
-running on its output.
+One iteration of the loop: apply the inbox, then one step (`steps.py`): poll the KV connector ->
+schedule -> execute -> update -> publish outputs, the statistics and the step's KV events; with
+overlap scheduling (the default on CUDA and for a decode) the forward passes run one step ahead on
+a runner thread, which then does all of the torch work.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import torch
@@ -61,29 +49,27 @@ from tandem.server.loop.outputs import CompletedOutput
 from tandem.server.loop.output_processor import OutputProcessor
 from tandem.server.parallel.group import threads_per_rank
 from tandem.server.parallel.workers import RankPool, RankSpec
-from tandem.server.scheduling.plan import StepOutput, StepPlan
-from tandem.server.scheduling.policy import prefill_tokens_per_pass
 from tandem.server.scheduling.request import Bootstrap, Finish
 from tandem.server.loop.runner import ModelRunner
 from tandem.server.scheduling.sampling_params import SamplingParams
 from tandem.server.scheduling.scheduler import Scheduler, SchedulerConfig
-from tandem.server.loop.stats import EngineSnapshot, StatsObserver
+from tandem.server.loop.stats import StatsObserver, engine_snapshot
+from tandem.server.loop.steps import OverlappedSteps, Steps, overlap_scheduling
 
 log = logging.getLogger("tandem.engine")
 
 
-def overlap_scheduling(config: EngineConfig, device: torch.device, role: str = "colocated") -> bool:
-    """`--disable-overlap-schedule`, or where it is unset: overlap on CUDA, and on a CPU for a
-    decode server and with `--compute-priority idle`. On a CPU the host work overlap hides is
-    about 1% of a step, and it costs a new prompt one more step of waiting (the next step is
-    already launched when it arrives; docs/performance.md, "Overlap scheduling on two cores", has
-    the measurement), which a decode, with no prompts to prefill, does not pay. It frees the engine
-    thread to poll while a step computes: a decode notices arrived KV mid-step
-    (`_poll_while_running`), and at idle priority the engine thread goes on while another
-    process's work holds the cores."""
-    if config.disable_overlap_schedule is not None:
-        return not config.disable_overlap_schedule
-    return device.type == "cuda" or role == "decode" or config.compute_priority == "idle"
+def idle_compute_priority(device: torch.device) -> None:
+    """`--compute-priority idle`, on the thread that runs the forward passes, after every other
+    thread (gRPC, KV transfer) exists: those keep their policy."""
+    if device.type != "cpu":
+        raise ValueError(f"--compute-priority=idle is for CPU servers; this one runs on {device}")
+    try:
+        count = idle_compute_threads()
+    except RuntimeError as e:
+        raise ValueError(f"--compute-priority=idle: {e}") from e
+    log.info("compute priority idle: the %d threads that run forward passes yield the cores to other "
+             "processes (SCHED_IDLE)", count)
 
 
 class Engine:
@@ -104,15 +90,12 @@ class Engine:
         self.inbox = Inbox()
         self.failure: str | None = None  # why the loop failed (a lost tensor-parallel rank), None while it has not
         self.ranks: RankPool | None = None  # tensor-parallel ranks 1..N-1, with --tp-size > 1
-        self.overlap = overlap_scheduling(config, model.device if model is not None else resolve_device(config.device),
-                                          disagg.role)
-        log.info("overlap scheduling %s%s", "on" if self.overlap else "off",
+        overlap = overlap_scheduling(config, model.device if model is not None else resolve_device(config.device),
+                                     disagg.role)
+        log.info("overlap scheduling %s%s", "on" if overlap else "off",
                  " (unset: on CUDA, for a decode, or with --compute-priority idle)" if config.disable_overlap_schedule is None else "")
-        # Overlap scheduling: the one thread that runs forward passes (and every other torch call).
-        self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-runner") if self.overlap else None
-        self._in_flight: tuple[StepPlan, Future] | None = None  # launched, not yet updated (overlap)
+        self.steps = OverlappedSteps(self) if overlap else Steps(self)
         self._started = False
-        self._stopping = False  # the inbox said Stop while a step computed (overlap)
         self._go = threading.Event()  # set by start() or shutdown(): the built engine thread goes on
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(built, model, disagg, host, port),
@@ -147,7 +130,7 @@ class Engine:
             self.model.compute_dtype, self.model.device
         )
         if self.ranks is not None:
-            self.ranks.build(num_pages, self._fail)
+            self.ranks.build(num_pages, self.fail)
         self.kv_events = KvEventPublisher(config.kv_events_replay, config.kv_events_queue)
         self.memory = KVMemory(num_pages, config.page_size, config.max_running_requests, not config.disable_radix_cache,
                                self.kv_events)
@@ -155,48 +138,24 @@ class Engine:
         self.runner.graphs = capture_decode_graphs(config, self.model.module, self.kv_cache, disagg.role,
                                                    self.runner.attn, scratch_page=num_pages)
         self.connector = create_connector(disagg, host, port, self.kv_layout(), self.kv_cache, self.memory,
-                                          self._wake, self.observer.on_kv_transfer, self.ranks)
-        self.scheduler = Scheduler(self._scheduler_config(), self.memory)
+                                          self.wake, self.observer.on_kv_transfer, self.ranks)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.model.device.type, self.connector.takes_finished),
+                                   self.memory)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_compile_timeout)
         self.intake = Intake(config, self.tokenizer, mc.vocab_size, self.context_length, self.memory.total_tokens,
                              self.eos_token_ids, self.grammars, self.connector.max_new_tokens)
         self.outputs = OutputProcessor(self.tokenizer, self.observer, self.scheduler.finish, self.intake.release)
-        self.snapshot = EngineSnapshot()
-        self._publish_snapshot()
+        self.publish_snapshot()
         if config.compute_priority == "idle":
-            self._idle_compute_threads()
-
-    def _idle_compute_threads(self) -> None:
-        """`--compute-priority idle`, on the thread that runs the forward passes, after every
-        other thread (gRPC, KV transfer) exists: those keep their policy."""
-        if self.model.device.type != "cpu":
-            raise ValueError(f"--compute-priority=idle is for CPU servers; this one runs on {self.model.device}")
-        try:
-            count = idle_compute_threads()
-        except RuntimeError as e:
-            raise ValueError(f"--compute-priority=idle: {e}") from e
-        log.info("compute priority idle: the %d threads that run forward passes yield the cores to other "
-                 "processes (SCHED_IDLE)", count)
-
-    def _scheduler_config(self) -> SchedulerConfig:
-        c = self.config
-        prefill_tokens, why = prefill_tokens_per_pass(c.max_prefill_tokens, self.model.device.type)
-        log.info("max prefill tokens %d (%s)", prefill_tokens, why)
-        return SchedulerConfig(
-            max_running_requests=c.max_running_requests,
-            max_prefill_tokens=prefill_tokens,
-            chunked_prefill_size=c.chunked_prefill_size,
-            enable_mixed_chunk=c.enable_mixed_chunk,
-            schedule_policy=c.schedule_policy,
-            init_new_token_ratio=c.init_new_token_ratio,
-            min_new_token_ratio=c.min_new_token_ratio,
-            new_token_ratio_decay_steps=c.new_token_ratio_decay_steps,
-            hand_off_finished=self.connector.takes_finished,
-        )
+            idle_compute_priority(self.model.device)
 
     def kv_layout(self) -> KVLayout:
         """What a disaggregated peer must share with this engine to exchange KV pages."""
         return kv_layout(self.model, self.kv_cache)
+
+    @property
+    def overlap(self) -> bool:
+        return isinstance(self.steps, OverlappedSteps)
 
     @property
     def role(self) -> str:
@@ -290,7 +249,7 @@ class Engine:
         """No request left, and nothing the KV connector must finish or tell its peers first."""
         return self.call(lambda: not self.scheduler.has_work() and not len(self.outputs) and self.connector.drained())
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         """From any thread: the engine cannot go on (a tensor-parallel rank is gone). The loop
         stops and every open request ends with an error naming `reason`."""
         if self.failure is None:
@@ -298,7 +257,7 @@ class Engine:
             log.error("engine failing: %s", reason)
         self.inbox.stop()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """From any thread: make the loop look at its connector now."""
         try:
             self.inbox.put(Wake())
@@ -309,26 +268,21 @@ class Engine:
     def _run(self, built: Future, model: LoadedModel | None, disagg: DisaggConfig, host: str, port: int | None) -> None:
         """Build, wait for start() (or shutdown()), then loop until stopped."""
         try:
-            if self._runner_thread is not None:
-                self._runner_thread.submit(self._build, model, disagg, host, port).result()
-            else:
-                self._build(model, disagg, host, port)
+            self.steps.run(self._build, model, disagg, host, port)
         except BaseException as e:
             self.inbox.close()
             if hasattr(self, "connector"):  # a prefill's bootstrap service may already listen
                 self.connector.close()
             if self.ranks is not None:
                 self.ranks.close()
-            if self._runner_thread is not None:
-                self._runner_thread.shutdown()
+            self.steps.close()
             built.set_exception(e)
             return
         built.set_result(None)
         self._go.wait()
-        step = self.step_overlapped if self.overlap else self.step
         try:
-            while self._started and not self._stopping and self._apply_inbox(self._idle_timeout()):
-                step()
+            while self._started and not self.steps.stopping and self.apply_inbox(self._idle_timeout()):
+                self.steps.step()
         except BaseException as e:
             self.failure = self.failure or f"engine loop crashed: {type(e).__name__}: {e}"
             log.exception("engine loop crashed")
@@ -340,9 +294,7 @@ class Engine:
         """The loop is over (`left`: what the closed inbox still held). Requests that ended in the
         scheduler go to the connector first (a prefill starts their KV writes, which closing it
         waits for); every stream still open ends with finish_reason abort."""
-        if self._in_flight is not None:  # the device is done with the KV cache before the connector closes
-            wait([self._in_flight[1]])
-            self._in_flight = None
+        self.steps.settle()
         finished = self.scheduler.take_handed_off()
         try:
             if finished:
@@ -353,8 +305,7 @@ class Engine:
         finally:
             if self.ranks is not None:
                 self.ranks.close()
-            if self._runner_thread is not None:
-                self._runner_thread.shutdown()
+            self.steps.close()
             self.grammars.close()
         for message in left:
             if isinstance(message, Add):
@@ -370,11 +321,11 @@ class Engine:
 
     def _idle_timeout(self) -> float | None:
         """How long the loop may wait for inbox traffic: 0 when the scheduler has work."""
-        if self.scheduler.has_work() or self._in_flight is not None:
+        if self.scheduler.has_work() or self.steps.busy:
             return 0.0
         return self.connector.idle_wait()
 
-    def _apply_inbox(self, timeout: float | None) -> bool:
+    def apply_inbox(self, timeout: float | None) -> bool:
         """Apply inbox messages, waiting up to `timeout` seconds (None: forever) for the first;
         False once asked to stop."""
         message = self.inbox.get(timeout)
@@ -398,118 +349,7 @@ class Engine:
             except Exception as e:
                 message.future.set_exception(e)
 
-    def step(self) -> None:
-        """poll -> schedule -> execute -> update -> publish."""
-        self._poll_connector()
-        plan = self.scheduler.schedule()
-        if plan is not None:
-            try:
-                out = self.runner.execute(plan)
-            except Exception as e:
-                self._step_failed(plan, e)
-            else:
-                self._update(plan, out)
-        elif self.scheduler.has_work():
-            time.sleep(0.001)  # nothing fits right now; let inbox traffic (aborts) through
-        self._publish()
-
-    def step_overlapped(self) -> None:
-        """poll -> schedule step N+1 and launch it on the runner thread -> update step N (waiting
-        for its output) -> publish; step N+1 computes meanwhile."""
-        self._poll_connector()
-        plan = self.scheduler.schedule()
-        launched = None
-        if plan is not None:
-            launched = plan, self._runner_thread.submit(self.runner.run, self.runner.prepare(plan))
-        previous, self._in_flight = self._in_flight, launched
-        if previous is not None:
-            ran, future = previous
-            self._poll_while_running(future)
-            try:
-                out = future.result()
-            except Exception as e:
-                self._step_failed(ran, e)
-            else:
-                self._update(ran, out)
-        elif plan is None and self.scheduler.has_work():
-            time.sleep(0.001)
-        self._publish()
-
-    def _poll_while_running(self, step: Future) -> None:
-        """Until `step` is done, go on as between steps: apply the inbox (a decode registers a new
-        request with its prefill now, not a step later) and poll the connector, as often as it
-        asks while its requests wait for their KV. What they admit or free is only read or
-        written by steps planned after this point."""
-        step.add_done_callback(lambda _: self._wake())
-        while not step.done() and not self._stopping:
-            self._stopping = not self._apply_inbox(self.connector.step_poll_interval())
-            self._poll_connector()
-
-    def _update(self, plan: StepPlan, out: StepOutput) -> None:
-        for req in self.scheduler.update(plan, out):
-            self.outputs.publish(req)
-
-    def _step_failed(self, plan: StepPlan, error: Exception) -> None:
-        """Fail the step's requests and keep serving; or, where other work already depends on the
-        step (tensor-parallel ranks that may now disagree about the KV cache, the next step under
-        overlap scheduling), fail the engine."""
-        log.exception("forward pass failed")
-        reason = f"forward pass failed: {type(error).__name__}: {error}"
-        if self.ranks is not None:
-            self._fail(self.ranks.explain(error))
-        elif self.overlap:
-            self._fail(reason)
-        else:
-            self.scheduler.fail(plan, reason)
-
-    def _poll_connector(self) -> None:
-        """The one exchange with the KV connector per step: it gets what the scheduler reports,
-        the scheduler applies what it asks."""
-        events = self.connector.poll(self.scheduler.take_handed_off(), self.scheduler.reserved_tokens())
-        for req in events.admit:
-            self.scheduler.add(req)
-        for req, first_token in events.arrived:
-            self.scheduler.add_prefilled(req, first_token)
-            self.outputs.publish(req)
-        for rid, message, code in events.aborts:
-            self.scheduler.abort(rid, message, code)
-        for req, finish in events.ended:
-            self.scheduler.end_elsewhere(req, finish)
-            self.outputs.publish(req)
-
-    def _publish(self) -> None:
-        """The end of a step: the streams that ended, the step's KV events, then the statistics
-        (which count those events)."""
-        self.outputs.publish_ended()
-        self.kv_events.publish()
-        self._publish_snapshot()
-
-    def _kv_event_stats(self) -> dict:
-        s = self.kv_events.stats()
-        return dict(kv_event_batches=s.batches, kv_events=s.events, kv_event_subscribers=s.subscribers,
-                    kv_event_subscribers_dropped=s.subscribers_dropped)
-
-    def _publish_snapshot(self) -> None:
+    def publish_snapshot(self) -> None:
         """Swap in a fresh EngineSnapshot: any thread may read `self.snapshot` at any time."""
-        sched, mem = self.scheduler, self.memory
-        self.snapshot = EngineSnapshot(
-            running=sched.num_running,
-            waiting=sched.num_waiting,
-            queued_prompt_tokens=sched.queued_prompt_tokens,
-            kv_pages_total=mem.num_pages,
-            kv_pages_used=mem.used_pages,
-            page_size=mem.page_size,
-            prompt_tokens=sched.stats.prompt_tokens,
-            generation_tokens=self.outputs.generated,
-            prefix_query_tokens=sched.stats.prefix_query_tokens,
-            prefix_hit_tokens=sched.stats.prefix_hit_tokens,
-            retractions=sched.stats.retractions,
-            requests_finished=self.outputs.finished,
-            requests_aborted=self.outputs.aborted,
-            forward_steps=sched.stats.forward_steps,
-            grammar_compiles=self.grammars.stats.compiled,
-            grammar_cache_hits=self.grammars.stats.cache_hits,
-            grammar_compile_seconds=self.grammars.stats.seconds,
-            **self.connector.stats(),
-            **self._kv_event_stats(),
-        )
+        self.snapshot = engine_snapshot(self.scheduler, self.memory, self.outputs, self.grammars.stats,
+                                        self.kv_events.stats(), self.connector.stats())

@@ -78,3 +78,32 @@ class StatsObserver:
 
     def on_kv_transfer(self, seconds: float) -> None:
         """One request's KV moved: prefill, the write; decode, registration to arrival."""
+
+
+def engine_snapshot(scheduler, memory, outputs, grammars, kv_events, connector: dict) -> EngineSnapshot:
+    """An engine's statistics now, from its scheduler, KV memory, output processor, grammar
+    compiler's and KV event publisher's stats, and its KV connector's stats (a dict of fields)."""
+    return EngineSnapshot(
+        running=scheduler.num_running,
+        waiting=scheduler.num_waiting,
+        queued_prompt_tokens=scheduler.queued_prompt_tokens,
+        kv_pages_total=memory.num_pages,
+        kv_pages_used=memory.used_pages,
+        page_size=memory.page_size,
+        prompt_tokens=scheduler.stats.prompt_tokens,
+        generation_tokens=outputs.generated,
+        prefix_query_tokens=scheduler.stats.prefix_query_tokens,
+        prefix_hit_tokens=scheduler.stats.prefix_hit_tokens,
+        retractions=scheduler.stats.retractions,
+        requests_finished=outputs.finished,
+        requests_aborted=outputs.aborted,
+        forward_steps=scheduler.stats.forward_steps,
+        grammar_compiles=grammars.compiled,
+        grammar_cache_hits=grammars.cache_hits,
+        grammar_compile_seconds=grammars.seconds,
+        kv_event_batches=kv_events.batches,
+        kv_events=kv_events.events,
+        kv_event_subscribers=kv_events.subscribers,
+        kv_event_subscribers_dropped=kv_events.subscribers_dropped,
+        **connector,
+    )

@@ -16,14 +16,18 @@ deferred free.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from tandem.server.config import EngineConfig
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
-from tandem.server.scheduling.policy import NewTokenRatio, PrefillBudget, order_waiting
+from tandem.server.scheduling.policy import NewTokenRatio, PrefillBudget, order_waiting, prefill_tokens_per_pass
 from tandem.server.scheduling.request import Finish, Request, Status
+
+log = logging.getLogger("tandem.scheduler")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,17 @@ class SchedulerConfig:
     # prefill's KV connector, which still has to send its KV) to take and free; otherwise the
     # scheduler frees it.
     hand_off_finished: bool = False
+
+    @classmethod
+    def of(cls, config: EngineConfig, device_type: str, hand_off_finished: bool) -> SchedulerConfig:
+        """The scheduler's settings from the engine's, the prompt tokens per pass chosen for the device."""
+        prefill_tokens, why = prefill_tokens_per_pass(config.max_prefill_tokens, device_type)
+        log.info("max prefill tokens %d (%s)", prefill_tokens, why)
+        return cls(max_running_requests=config.max_running_requests, max_prefill_tokens=prefill_tokens,
+                   chunked_prefill_size=config.chunked_prefill_size, enable_mixed_chunk=config.enable_mixed_chunk,
+                   schedule_policy=config.schedule_policy, init_new_token_ratio=config.init_new_token_ratio,
+                   min_new_token_ratio=config.min_new_token_ratio,
+                   new_token_ratio_decay_steps=config.new_token_ratio_decay_steps, hand_off_finished=hand_off_finished)
 
 
 @dataclass

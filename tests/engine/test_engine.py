@@ -331,7 +331,7 @@ def test_compute_priority_idle_puts_the_forward_pass_thread_alone_under_sched_id
     normal = make_engine(disable_overlap_schedule=plain)
     idle = make_engine(disable_overlap_schedule=plain, compute_priority="idle")
     policy = partial(os.sched_getscheduler, 0)  # the calling thread's
-    forward = idle.call(policy) if plain else idle._runner_thread.submit(policy).result()
+    forward = idle.call(policy) if plain else idle.steps.run(policy)
     assert forward == os.SCHED_IDLE
     assert idle.call(policy) == (os.SCHED_IDLE if plain else os.SCHED_OTHER)
     assert normal.call(policy) == os.SCHED_OTHER
