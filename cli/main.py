@@ -215,7 +215,7 @@ def cmd_bench_peers(args) -> int:
 
 
 def cmd_bench_autoscale(args) -> int:
-    from tandem.operator.simulate import SimConfig, report_dict, report_text, simulate
+    from tandem.tools.bench_autoscale import SimConfig, report_dict, report_text, simulate
 
     try:
         result = simulate(from_args(args, SimConfig))
@@ -234,10 +234,7 @@ def cmd_export_tokenizer(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with prefill/decode disaggregation")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate for one prompt or a file of prompts, batched together")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (raw text, no chat template unless --chat)")
@@ -249,18 +246,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(gen, EngineConfig)
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve SGLang's gRPC scheduler protocol, health and /metrics")
     add_arguments(serve, ServeConfig)
     add_arguments(serve, DisaggConfig)
     add_arguments(serve, EngineConfig)
     serve.set_defaults(func=cmd_serve)
 
+
+def _add_operator(sub: argparse._SubParsersAction) -> None:
     from tandem.operator.main import add_arguments as add_operator_arguments
 
     op = sub.add_parser("operator", help="run the Kubernetes operator (InferenceService -> pools and router)")
     add_operator_arguments(op)
     op.set_defaults(func=cmd_operator)
 
+
+def _add_client(sub: argparse._SubParsersAction) -> None:
     client = sub.add_parser("client", help="talk to a running server")
     client_sub = client.add_subparsers(dest="client", required=True)
     cgen = client_sub.add_parser("generate", help="tokenize locally, stream the answer, print TTFT and tokens/s")
@@ -275,12 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
     _constraint_arguments(cgen)
     cgen.set_defaults(func=cmd_client_generate)
 
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="chat with a running server (one line per turn; empty line or EOF ends)")
     chat.add_argument("--target", default="127.0.0.1:30000")
     chat.add_argument("--model", default=EngineConfig.model)
     _sampling_arguments(chat, exclude=("seed",))
     chat.set_defaults(func=cmd_chat)
 
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="prefill + decode servers and the smg router on 127.0.0.1; stream a few chat answers")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--keep-running", action="store_true", help="leave the stack up and print how to call it")
@@ -289,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(demo, EngineConfig)
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+
+def _add_bench_offline(bench_sub: argparse._SubParsersAction) -> None:
     off = bench_sub.add_parser("offline", help="tandem vs HF transformers static batches, same workload")
     off.add_argument("--num-requests", type=int, default=64)
     off.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
@@ -305,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(off, EngineConfig)
     off.set_defaults(func=cmd_bench_offline)
 
+
+def _add_bench_serve(bench_sub: argparse._SubParsersAction) -> None:
     bserve = bench_sub.add_parser("serve", help="drive a running server with a fixed-seed streaming workload")
     bserve.add_argument("--target", default="127.0.0.1:30000", help="HOST:PORT: a tandem gRPC server, or the router with --openai")
     bserve.add_argument("--openai", action="store_true", help="target is an OpenAI-compatible HTTP endpoint (the router)")
@@ -316,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--workload-seed", type=int, default=1)
     bserve.set_defaults(func=cmd_bench_serve)
 
+
+def _add_bench_pd(bench_sub: argparse._SubParsersAction) -> None:
     bpd = bench_sub.add_parser("pd", help="the serve workload colocated vs prefill+decode (Mooncake), behind the router, in one run")
     bpd.add_argument("--num-requests", type=int, default=32)
     bpd.add_argument("--concurrency", type=int, default=8)
@@ -332,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)
 
+
+def _add_bench_structured(bench_sub: argparse._SubParsersAction) -> None:
     bst = bench_sub.add_parser("structured", help="the serve workload with every other request constrained by a JSON "
                                "schema vs none, alternating rounds on one server; and the schema's compile times")
     bst.add_argument("--num-requests", type=int, default=32)
@@ -346,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bst, EngineConfig)
     bst.set_defaults(func=cmd_bench_structured)
 
+
+def _add_bench_cache_routing(bench_sub: argparse._SubParsersAction) -> None:
     bcr = bench_sub.add_parser("cache-routing", help="smg's cache-aware policy over two colocated servers, told "
                                "where prefixes are cached (KV events) vs guessing, on a shared-system-prompt workload")
     bcr.add_argument("--system-prompts", type=int, default=6, help="distinct system prompts")
@@ -361,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bcr, EngineConfig)
     bcr.set_defaults(func=cmd_bench_cache_routing, max_total_tokens=1536)
 
+
+def _add_bench_kv_transfer(bench_sub: argparse._SubParsersAction) -> None:
     bkv = bench_sub.add_parser("kv-transfer", help="prefill -> decode KV writes between engines of given tensor-parallel "
                                "sizes, in this process, one pair after the other")
     bkv.add_argument("--pairs", nargs="+", default=["1:1", "3:1", "1:3", "3:3"], metavar="PREFILL:DECODE")
@@ -369,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bkv, EngineConfig)
     bkv.set_defaults(func=cmd_bench_kv_transfer, max_total_tokens=8192)
 
+
+def _add_bench_linear(bench_sub: argparse._SubParsersAction) -> None:
     blin = bench_sub.add_parser("linear", help="the model's projections in each form a weight can be held in "
                                 "(F.linear, x @ W, oneDNN-packed), per batch size and dtype")
     blin.add_argument("--model", default=EngineConfig.model)
@@ -379,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "per batch size, as a step streams them, in each form a float32 model on a CPU can use")
     blin.set_defaults(func=cmd_bench_linear)
 
+
+def _add_bench_step(bench_sub: argparse._SubParsersAction) -> None:
     bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size in two forms, alternated "
                                  "in one run: native layer ops vs torch's, the KV cache on huge vs 4 KiB pages, or decode "
                                  "attention read in place vs gathered")
@@ -391,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     bstep.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size in tokens (the pages are scattered)")
     bstep.set_defaults(func=cmd_bench_step)
 
+
+def _add_bench_gpu(bench_sub: argparse._SubParsersAction) -> None:
     bgpu = bench_sub.add_parser("gpu", help="decode steps (eager and CUDA graphs) and prefill of real-size model "
                                 "shapes with random weights, beside the GPU's memory floor and matmul peak measured "
                                 "in the same run")
@@ -406,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     bgpu.add_argument("--json-out", help="also write the figures as JSON to this file")
     bgpu.set_defaults(func=cmd_bench_gpu)
 
+
+def _add_bench_peers(bench_sub: argparse._SubParsersAction) -> None:
     bpeers = bench_sub.add_parser("peers", help="tandem (colocated and 1 prefill + 1 decode) against vLLM's CPU build "
                                   "on this machine, the serve workload, one server at a time, in one run")
     bpeers.add_argument("--num-requests", type=int, default=32)
@@ -426,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bpeers, EngineConfig)
     bpeers.set_defaults(func=cmd_bench_peers)
 
-    from tandem.operator.simulate import SimConfig
+
+def _add_bench_autoscale(bench_sub: argparse._SubParsersAction) -> None:
+    from tandem.tools.bench_autoscale import SimConfig
 
     bauto = bench_sub.add_parser("autoscale", help="simulate a ramp, a spike and a quiet period through the "
                                  "operator's real scaling decision; autoscaled vs fixed pod-minutes and latency")
@@ -435,10 +462,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bauto, SimConfig)
     bauto.set_defaults(func=cmd_bench_autoscale)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for add in (_add_bench_offline, _add_bench_serve, _add_bench_pd, _add_bench_structured, _add_bench_cache_routing,
+                _add_bench_kv_transfer, _add_bench_linear, _add_bench_step, _add_bench_gpu, _add_bench_peers,
+                _add_bench_autoscale):
+        add(bench_sub)
+
+
+def _add_export_tokenizer(sub: argparse._SubParsersAction) -> None:
     exp = sub.add_parser("export-tokenizer", help="write the model's tokenizer files into DIR")
     exp.add_argument("dir")
     exp.add_argument("--model", default=EngineConfig.model)
     exp.set_defaults(func=cmd_export_tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM serving with prefill/decode disaggregation")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_serve, _add_operator, _add_client, _add_chat, _add_demo, _add_bench,
+                _add_export_tokenizer):
+        add(sub)
     return parser
 
 

@@ -19,8 +19,7 @@ down again); what must survive a restart (the desired size, the drain) lives in 
 from __future__ import annotations
 
 import datetime
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from tandem.operator import render
@@ -28,14 +27,13 @@ from tandem.operator.decision import Policy, Sample, decide
 from tandem.operator.metrics import (AUTOSCALER_DECISIONS, AUTOSCALER_DESIRED, AUTOSCALER_HEALTHY, AUTOSCALER_LOAD,
                                      AUTOSCALER_REPLICAS)
 from tandem.operator.schema import parse
-from tandem.operator.signals import PodSignals, PoolLoad, decode_load, prefill_load, prefill_rate
+from tandem.operator.signals import PodSignals, PoolTracker
 from tandem.operator.sources import Pod, PodScraper, PrometheusSource
 from tandem.operator.spec import Drain, PoolSignals, PoolStatus, ScalingDecision
 from tandem.operator.status import AutoscaledPool, AutoscalerStatus
 
 STALE_INTERVALS = 3  # a ready server not read for this many intervals makes the pool's metrics stale
 UNKNOWN_FRACTION = 0.25  # ... as does more than this fraction of its ready servers unread this time
-RATE_SMOOTHING = 0.3  # weight of a new prefill tokens/s measurement
 
 
 def iso(t: float) -> str:
@@ -44,49 +42,6 @@ def iso(t: float) -> str:
 
 def parse_iso(text: str) -> float:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
-
-
-@dataclass
-class PoolTracker:
-    """What the autoscaler remembers about one pool between ticks."""
-
-    history: deque[Sample] = field(default_factory=deque)
-    last: dict[str, PodSignals] = field(default_factory=dict)  # latest reading per server
-    read_at: dict[str, float] = field(default_factory=dict)  # last successful read (or first seen ready)
-    tokens_per_second: float | None = None  # one busy prefill server's measured throughput
-    throughput: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per server, last interval
-
-    def remember(self, now: float, ready: list[str], reads: dict[str, PodSignals | None]) -> None:
-        for pod in ready:
-            self.read_at.setdefault(pod, now)
-        for pod, signals in reads.items():
-            if signals is None:
-                continue
-            previous = self.last.get(pod)
-            if previous and signals.time > previous.time:
-                done = signals.computed_prompt_tokens - previous.computed_prompt_tokens
-                self.throughput[pod] = max(done, 0.0) / (signals.time - previous.time)
-            rate = prefill_rate(previous, signals) if previous else None
-            if rate:
-                old = self.tokens_per_second
-                self.tokens_per_second = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
-            self.last[pod], self.read_at[pod] = signals, now
-        for pod in set(self.read_at) - set(ready) - set(reads):
-            for memory in (self.read_at, self.last, self.throughput):
-                memory.pop(pod, None)
-
-    def load(self, pool: str, pods: list[PodSignals], scaling) -> PoolLoad:
-        """The pool's load from these servers' readings (the ones just remembered)."""
-        if pool == "prefill":
-            rates = [self.throughput[p.pod] for p in pods if p.pod in self.throughput]
-            return prefill_load(pods, scaling, self.tokens_per_second, sum(rates) if rates else None)
-        return decode_load(pods, scaling)
-
-    def add(self, sample: Sample, keep: float) -> list[Sample]:
-        self.history.append(sample)
-        while self.history and self.history[0].time < sample.time - keep:
-            self.history.popleft()
-        return list(self.history)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What one server reports, and what a pool's servers add up to. Pure: no I/O.
+"""What one server reports, and what a pool's servers add up to. Pure: no I/O (the autoscaler
+and `tandem bench autoscale` both keep a PoolTracker per pool).
 
 A server's `/metrics` (server/edge/metrics.py) is read into a PodSignals; a pool's load in replica
 units comes from its servers' signals and the pool's per-replica targets:
@@ -12,9 +13,12 @@ units comes from its servers' signals and the pool's per-replica targets:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.operator.decision import Sample
 
 # PodSignals field -> the sample name in the server's exposition (and in Prometheus).
 METRICS = {
@@ -30,6 +34,8 @@ METRICS = {
     "prompt_tokens": "tandem_prompt_tokens_total",
     "prefix_hit_tokens": "tandem_prefix_cache_hit_tokens_total",
 }
+
+RATE_SMOOTHING = 0.3  # weight of a new prefill tokens/s measurement
 
 
 @dataclass(frozen=True)
@@ -135,3 +141,46 @@ def decode_load(pods: list[PodSignals], scaling) -> PoolLoad:
     if by_kv >= by_queue:
         return PoolLoad(by_kv, f"KV usage {usage:.2f} over target {scaling.kv_usage_per_replica * n:.2f}", values)
     return PoolLoad(by_queue, f"waiting {queued:g} over target {scaling.waiting_per_replica * n:g}", values)
+
+
+@dataclass
+class PoolTracker:
+    """What the autoscaler remembers about one pool between ticks."""
+
+    history: deque[Sample] = field(default_factory=deque)
+    last: dict[str, PodSignals] = field(default_factory=dict)  # latest reading per server
+    read_at: dict[str, float] = field(default_factory=dict)  # last successful read (or first seen ready)
+    tokens_per_second: float | None = None  # one busy prefill server's measured throughput
+    throughput: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per server, last interval
+
+    def remember(self, now: float, ready: list[str], reads: dict[str, PodSignals | None]) -> None:
+        for pod in ready:
+            self.read_at.setdefault(pod, now)
+        for pod, signals in reads.items():
+            if signals is None:
+                continue
+            previous = self.last.get(pod)
+            if previous and signals.time > previous.time:
+                done = signals.computed_prompt_tokens - previous.computed_prompt_tokens
+                self.throughput[pod] = max(done, 0.0) / (signals.time - previous.time)
+            rate = prefill_rate(previous, signals) if previous else None
+            if rate:
+                old = self.tokens_per_second
+                self.tokens_per_second = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
+            self.last[pod], self.read_at[pod] = signals, now
+        for pod in set(self.read_at) - set(ready) - set(reads):
+            for memory in (self.read_at, self.last, self.throughput):
+                memory.pop(pod, None)
+
+    def load(self, pool: str, pods: list[PodSignals], scaling) -> PoolLoad:
+        """The pool's load from these servers' readings (the ones just remembered)."""
+        if pool == "prefill":
+            rates = [self.throughput[p.pod] for p in pods if p.pod in self.throughput]
+            return prefill_load(pods, scaling, self.tokens_per_second, sum(rates) if rates else None)
+        return decode_load(pods, scaling)
+
+    def add(self, sample: Sample, keep: float) -> list[Sample]:
+        self.history.append(sample)
+        while self.history and self.history[0].time < sample.time - keep:
+            self.history.popleft()
+        return list(self.history)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from tandem.operator import simulate as sim
-from tandem.operator.simulate import POOLS, SimConfig, make_trace, minute_rows, report_dict, report_text, simulate
 from tandem.cli.main import build_parser, cmd_bench_autoscale, main
+from tandem.tools import bench_autoscale as sim
+from tandem.tools.bench_autoscale import POOLS, SimConfig, make_trace, minute_rows, report_dict, report_text, simulate
 
 
 @pytest.fixture(scope="module")

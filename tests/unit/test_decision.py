@@ -6,8 +6,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from tandem.operator.decision import Decision, Policy, Sample, decide
-from tandem.operator.scaler import PoolTracker
-from tandem.operator.signals import PodSignals, decode_load, prefill_load, prefill_rate
+from tandem.operator.signals import PodSignals, PoolTracker, decode_load, prefill_load, prefill_rate
 from tandem.operator.spec import DecodeAutoscaling, PrefillAutoscaling
 from tandem.server.edge.metrics import Metrics
 from tandem.server.loop.stats import EngineSnapshot

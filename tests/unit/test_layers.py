@@ -51,7 +51,12 @@ def lint_with(extra_import: tuple[str, str], monkeypatch, capsys) -> dict[str, s
 
 
 @pytest.mark.parametrize("importer, imported, broken", [
-    ("tandem.server.loop.engine", "tandem.operator.spec", "Nothing below the CLI imports the operator"),
+    ("tandem.server.loop.engine", "tandem.operator.spec", "Nothing below the tools imports the operator"),
+    ("tandem.kernels.sampling", "tandem.operator.decision", "Nothing below the tools imports the operator"),
+    # the tools: the operator's pure modules only, also through one of them
+    ("tandem.tools.bench_autoscale", "tandem.operator.scaler", "The tools use only the operator's pure modules"),
+    ("tandem.tools.stack", "kubernetes", "The tools use only the operator's pure modules"),
+    ("tandem.operator.spec", "tandem.operator.kube", "The tools use only the operator's pure modules"),
     ("tandem.operator.render", "tandem.server.config", "The operator stands on common alone"),
     ("tandem.server.edge.serve", "tandem.tools.stack", "Layers"),
     ("tandem.kernels.sampling", "tandem.server.scheduling.sampling_params", "Layers"),
@@ -85,3 +90,14 @@ def test_only_the_edge_escapes_the_grpc_contract():
                 if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}
     assert children - {"tandem.server.edge"} <= set(contract["source_modules"]), children - set(contract["source_modules"])
     assert "tandem.server.edge" not in contract["source_modules"]
+
+
+def test_the_tools_may_use_only_the_operators_pure_modules():
+    """The tools' contract forbids every module of tandem.operator but the pure ones `tandem bench
+    autoscale` runs, so a new operator module is forbidden to the tools until it is added here."""
+    contract = next(c for c in tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+                    if c["name"].startswith("The tools use only the operator's pure modules"))
+    modules = {f"tandem.operator.{p.stem}" for p in (ROOT / "operator").glob("*.py")}
+    pure = {f"tandem.operator.{m}" for m in ("decision", "signals", "spec", "schema")}
+    assert pure <= modules
+    assert modules - pure == {m for m in contract["forbidden_modules"] if m.startswith("tandem.operator.")}

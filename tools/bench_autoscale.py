@@ -3,7 +3,7 @@
 No Kubernetes, no GPU, no model. A seeded arrival trace (quiet, ramp, plateau, spike, plateau,
 quiet) runs through a queueing model of a prefill pool and a decode pool. Every interval the
 model reports what each routable server's /metrics would say (a PodSignals), the pool's load
-comes from the operator's `scaler.PoolTracker.load`, and `autoscaler.decide` sets the
+comes from the operator's `signals.PoolTracker.load`, and `decision.decide` sets the
 pool's size, as the operator's loop does. The same trace then runs on a fixed deployment sized
 for the peak, for comparison.
 
@@ -30,7 +30,7 @@ random.Random seeded from `seed`, so a run is reproducible and both setups see t
               time is clipped at the trace's end; requests still in flight then finish for the
               latency figures.
     operator  scaler.py's loop, every 15 s per pool: one PodSignals per routable server into a
-              scaler.PoolTracker (history, measured prefill tokens/s), the pool's load, a Sample
+              signals.PoolTracker (history, measured prefill tokens/s), the pool's load, a Sample
               with the desired size, decide(history, now, desired, starting = desired - ready,
               Policy.from_spec(PoolSpec, the spec's default PrefillAutoscaling /
               DecodeAutoscaling)). A scale-up is applied at once and takes back a draining pod.
@@ -64,8 +64,7 @@ from dataclasses import asdict, dataclass, field
 from tandem.common.options import opt
 from tandem.common.stats import percentile
 from tandem.operator.decision import Policy, Sample, decide
-from tandem.operator.scaler import PoolTracker
-from tandem.operator.signals import PodSignals, PoolLoad
+from tandem.operator.signals import PodSignals, PoolLoad, PoolTracker
 from tandem.operator.spec import POOLS, AutoscalingSpec, PoolSpec, PrefillAutoscaling
 
 PAGE_SIZE = 16  # tokens per KV page, for the decode servers' page gauges
