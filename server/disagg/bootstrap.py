@@ -19,6 +19,7 @@ replaced. Errors carry the table's refusal `reason` (rooms.py) with their HTTP s
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
@@ -156,7 +157,9 @@ class BootstrapClient:
             reason = answer.get("reason") or ("conflict" if e.code == 409 else "")
             raise BootstrapError(f"bootstrap service {self.address}: {answer.get('error', '')}", reason=reason,
                                  instance=answer.get("instance", "")) from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
+            # No answer, or half of one (the process died while it answered: IncompleteRead, a
+            # truncated body): the peer may be dead either way.
             reason = getattr(e, "reason", e)
             raise BootstrapError(f"bootstrap service {self.address} unreachable: {reason}", unreachable=True,
                                  refused=isinstance(reason, ConnectionRefusedError)) from None
