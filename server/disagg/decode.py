@@ -1,9 +1,24 @@
 """DecodeConnector: a decode server's side of disaggregation.
 
-Request path: prealloc (handshake with the prefill's bootstrap service once per prefill process,
-reserve a slot and pages for the prompt, register them under the request's room) -> transfer
-(poll the request's arrival record; prefill writes it after the KV) -> the scheduler's running
-batch, with the first token, without a forward pass over the prompt.
+A request's life on a decode (`Stage`, one method each):
+
+    PREALLOC     wait for the handshake with the prefill process at the request's bootstrap
+                 address (once per process, `peers.py`), then for a slot and pages for the prompt
+                 past the prefix this server's cache holds; then register them under the room
+    REGISTERING  the registration call is in flight; a prefill that restarted (it does not know
+                 this decode) gets the request again after a new handshake, once
+    TRANSFER     poll the request's arrival record (the prefill writes it after the KV) and the
+                 room's state on the prefill
+    arrived      the scheduler's running batch, with the first token, without a forward pass
+                 over the prompt
+
+It ends early in one of two ways. Failed (`_fail`): no live prefill will write its pages (never
+registered, the room failed on the prefill, the process is GONE), so they are free at once.
+Abandoned (`_abandon`: an abort or a timeout after registration, a LOST peer, an unknown room, a
+wrong arrival record): a live prefill may still write them, so they stay quarantined
+(`_Quarantined`) until the prefill reports the room finished (done, failed, unknown), or its peer
+is GONE, or --transfer-timeout passed; then they are released. Either way the request's stream
+ends at once.
 
 Prefix reuse: the reservation pins the longest prefix of the prompt this server's prefix cache
 holds (a shared system prompt, the earlier turns of a conversation), and only the pages after it
@@ -11,19 +26,12 @@ are registered: the prefill sends those alone (`skip_pages`). Once the KV has ar
 prompt's whole pages enter the prefix cache (the scheduler's `add_prefilled`), and the output's
 when the request ends: the next request with that prefix finds them.
 
-Peers: a `_Peer` is this decode's registration with one prefill *process* (its instance id, read
-at the handshake and in every answer). A new instance at the same address, a refusal that says
-the registration is unknown, or a prefill that says it is leaving retires the registration; the
-next request handshakes again. Ready peers get a heartbeat every `--peer-heartbeat-interval`;
-after two missed in a row (or, while requests wait on it, `--peer-timeout` without an answer)
-the peer is offline and the requests waiting on it fail at once (UNAVAILABLE).
+Peers: the registrations with the prefill processes are `peers.py`'s state machine, and
+`peer_links.py` makes their calls (the handshake, room-status polls while requests wait,
+heartbeats), feeds it the answers and acts on its transitions.
 
 Ownership: from reservation on, the request's slot and pages belong to this connector (its
-cached prefix stays the prefix cache's, pinned: no transfer writes it, no failure frees it). Pages
-that a live prefill may still write are never reused: when a request ends before its KV arrived,
-its pages stay quarantined until the prefill reports the room finished (done, failed, unknown)
-or is proven gone (another instance answers at its address, or nothing listens there: a prefill
-closes its bootstrap service only after its last write), then they are released.
+cached prefix stays the prefix cache's, pinned: no transfer writes it, no failure frees it).
 """
 
 from __future__ import annotations
@@ -31,16 +39,18 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError
-from tandem.server.disagg.rooms import RoomState, new_instance_id
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
-from tandem.server.disagg.layout import KVLayout, LayoutMismatch, prompt_digest
+from tandem.server.disagg.layout import KVLayout, prompt_digest
+from tandem.server.disagg.peer_links import PeerLink, PeerLinks
+from tandem.server.disagg.peers import PeerState
+from tandem.server.disagg.rooms import RoomState, new_instance_id
 from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer, token_major
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.request import Request
@@ -49,17 +59,6 @@ from tandem.server.scheduling.sampling_params import InvalidRequestError
 log = logging.getLogger("tandem.decode")
 
 ARRIVAL_POLL_S = 0.002  # arrival records are polled, not announced
-STATUS_INTERVAL_S = 0.1  # room-state polls per prefill peer while requests wait on it
-PEER_RETRY_S = 1.0  # a failed handshake is retried for requests arriving this much later
-HEARTBEAT_MISSES = 2  # heartbeats missed in a row that mark a prefill offline
-LEAVE_TIMEOUT_S = 2.0  # on shutdown, how long telling the prefills may take
-
-
-class PeerState(enum.Enum):
-    CONNECTING = "connecting"  # handshake in flight
-    READY = "ready"  # registered with `instance`
-    FAILED = "failed"  # the handshake failed
-    GONE = "gone"  # the registration is void
 
 
 class Stage(enum.Enum):
@@ -69,43 +68,9 @@ class Stage(enum.Enum):
 
 
 @dataclass
-class _Peer:
-    """This decode's registration with one prefill process at one bootstrap address.
-
-    States: connecting (handshake in flight) -> ready (registered with `instance`) -> gone (the
-    registration is void: the prefill restarted, forgot it, or went offline); or connecting ->
-    failed (the handshake failed; requests for the address fail fast for PEER_RETRY_S). A ready
-    peer that says it is `leaving` takes no new rooms but still serves the ones it has."""
-
-    key: tuple[str, int]  # bootstrap (host, port)
-    client: BootstrapClient
-    handshake: Future  # -> the prefill's answer to our registration
-    state: PeerState = PeerState.CONNECTING
-    instance: str = ""  # the prefill process we registered with
-    head_major: bool = False  # it splits the KV heads unlike us: its pages arrive head-major
-    skips_pages: bool = False  # it can leave out the prompt pages our prefix cache holds
-    leaving: bool = False
-    error: str = ""
-    code: str = ""
-    failed_at: float = 0.0
-    proven_gone: bool = False  # the process can write nothing more (see the module doc)
-    refused: bool = False  # the last failed call found nothing listening
-    statuses: dict[int, dict] = field(default_factory=dict)  # room -> latest {"state", "message", "code"}
-    status_call: Future | None = None
-    last_poll: float = 0.0
-    unreachable_since: float | None = None
-    heartbeat: Future | None = None
-    next_heartbeat: float = 0.0
-    missed: int = 0  # heartbeats missed in a row
-
-    def __str__(self) -> str:
-        return f"prefill {self.client.address}" + (f" (instance {self.instance})" if self.instance else "")
-
-
-@dataclass
 class _Pending:
     req: Request
-    peer: _Peer
+    peer: PeerLink
     due: float  # prealloc: the bootstrap deadline
     stage: Stage = Stage.PREALLOC
     call: Future | None = None
@@ -116,7 +81,7 @@ class _Pending:
 @dataclass
 class _Quarantined:
     req: Request
-    peer: _Peer
+    peer: PeerLink
     room: int
     since: float
 
@@ -140,15 +105,12 @@ class DecodeConnector(KVConnector):
         # Who we are to the prefills: a stable name (a successor at the same address replaces us)
         # and this process's instance.
         self.me = {"decode": name or self.transfer.session, "decode_instance": new_instance_id()}
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-bootstrap-client")
-        self.peers: dict[tuple[str, int], _Peer] = {}  # the current registration per address
-        self.instances: dict[tuple[str, int], str] = {}  # the last prefill instance registered with per address
+        self.links = PeerLinks(config, self.me, self._handshake, self.kv_heads, wake)
         self.pending: dict[str, _Pending] = {}
         self.quarantine: list[_Quarantined] = []
         self._events = ConnectorEvents()  # what the current poll hands the loop
         self._reserved_tokens = 0  # KV the running requests keep for their output, as of the current poll
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0,
-                         "peer_handshakes": 0, "peer_rehandshakes": 0, "peers_offline": 0,
                          "kv_transfer_skipped_bytes": 0, "decode_prefix_query_tokens": 0, "decode_prefix_hit_tokens": 0}
         self.kv_bytes_per_page = 2 * layout.num_layers * layout.page_bytes
         log.info("decode KV connector: %s (instance %s), Mooncake session %s (%s)", self.me["decode"],
@@ -161,18 +123,9 @@ class DecodeConnector(KVConnector):
             )
 
     def add(self, req: Request) -> None:
-        self.pending[req.rid] = _Pending(req, self._peer(req.bootstrap.address), deadline(self.config.bootstrap_timeout))
+        self.pending[req.rid] = _Pending(req, self.links.for_room(req.bootstrap.address), deadline(self.config.bootstrap_timeout))
 
     # -- peers ------------------------------------------------------------------------------------
-    def _peer(self, key: tuple[str, int]) -> _Peer:
-        """The registration to use for a new room at a bootstrap address, handshaking if there is none."""
-        peer = self.peers.get(key)
-        if peer is None or (peer.state is PeerState.FAILED and time.monotonic() - peer.failed_at > PEER_RETRY_S):
-            client = BootstrapClient(*key)
-            peer = self.peers[key] = _Peer(key, client, self.pool.submit(self._handshake, client))
-            peer.handshake.add_done_callback(lambda _: self.wake())
-        return peer
-
     def _handshake(self, client: BootstrapClient) -> dict:
         """On a client thread: check the prefill's layout, then register our KV pool with it."""
         theirs = client.layout()
@@ -180,190 +133,85 @@ class DecodeConnector(KVConnector):
         answer = client.add_peer(self.me, self.transfer.session, self.layout, self.parts, self.records.base)
         return {**answer, "kv_heads": theirs["kv_heads"], "features": theirs["features"]}
 
-    def _known_peers(self) -> list[_Peer]:
-        """Current registrations and retired ones that requests or quarantined pages still wait on."""
-        peers = {id(p): p for p in self.peers.values()}
-        peers.update((id(p.peer), p.peer) for p in self.pending.values())
-        peers.update((id(q.peer), q.peer) for q in self.quarantine)
-        return list(peers.values())
-
-    def _update_peer(self, peer: _Peer, now: float) -> None:
-        if peer.state is PeerState.CONNECTING and peer.handshake.done():
-            error = peer.handshake.exception()
-            if error is None:
-                answer = peer.handshake.result()
-                peer.head_major = [list(h) for h in answer["kv_heads"]] != self.kv_heads
-                peer.skips_pages = "skip_pages" in answer["features"]
-                self._connected(peer, answer["instance"], now)
-            else:
-                mismatch = isinstance(error, LayoutMismatch) or getattr(error, "conflict", False)
-                peer.state, peer.failed_at = PeerState.FAILED, now
-                peer.error, peer.code = f"handshake with prefill {peer.client.address} failed: {error}", (
-                    "failed_precondition" if mismatch else "unavailable")
-                log.warning("%s", peer.error)
-        if peer.status_call is not None and peer.status_call.done():
-            try:
-                answer = peer.status_call.result()
-            except BootstrapError as e:
-                self._no_answer(peer, now, e)
-            else:
-                peer.unreachable_since = None
-                if self._same_instance(peer, answer):
-                    peer.statuses.update(answer["rooms"])
-            peer.status_call = None
-        if peer.heartbeat is not None and peer.heartbeat.done():
-            try:
-                answer = peer.heartbeat.result()
-            except BootstrapError as e:
-                peer.missed += 1
-                self._no_answer(peer, now, e)
-                if peer.missed >= HEARTBEAT_MISSES:
-                    self._offline(peer, f"{peer.missed} heartbeats in a row unanswered ({e})")
-            else:
-                peer.missed = 0
-                if self._same_instance(peer, answer) and not answer["known"]:
-                    self._lost(peer, f"{peer} no longer knows this decode", proven=False, rehandshake=True)
-            peer.heartbeat = None
+    def _rooms_waiting_on(self, peer: PeerLink) -> list[int]:
+        """The rooms whose state to poll at `peer`: requests waiting for their KV, and quarantined
+        pages that a process not proven gone may still write."""
         rooms = [p.req.bootstrap.room for p in self.pending.values() if p.peer is peer and p.stage is Stage.TRANSFER]
-        rooms += [q.room for q in self.quarantine if q.peer is peer and not peer.proven_gone]
-        if not rooms:
-            peer.unreachable_since = None  # only a failure while requests wait on it counts
-        elif peer.status_call is None and now - peer.last_poll >= STATUS_INTERVAL_S:
-            peer.last_poll = now
-            peer.status_call = self.pool.submit(peer.client.status, self.me, rooms)
-        if peer.state is PeerState.READY and not peer.leaving and peer.heartbeat is None and now >= peer.next_heartbeat:
-            peer.next_heartbeat = now + self.config.peer_heartbeat_interval
-            peer.heartbeat = self.pool.submit(peer.client.heartbeat, self.me)
-            peer.heartbeat.add_done_callback(lambda _: self.wake())
-        if peer.unreachable_since is not None and now - peer.unreachable_since > self.config.peer_timeout:
-            self._offline(peer, f"unreachable for {self.config.peer_timeout:g}s (--peer-timeout)")
-
-    def _connected(self, peer: _Peer, instance: str, now: float) -> None:
-        peer.state, peer.instance = PeerState.READY, instance
-        peer.next_heartbeat = now + self.config.peer_heartbeat_interval
-        self.counters["peer_handshakes"] += 1
-        before = self.instances.get(peer.key)
-        self.instances[peer.key] = instance
-        if before is None or before == instance:
-            log.info("handshake with %s: registered as %s (instance %s)", peer, self.me["decode"], self.me["decode_instance"])
-            return
-        self.counters["peer_rehandshakes"] += 1
-        log.info("re-handshake with %s: it replaced instance %s", peer, before)
-        for old in self._known_peers():  # the predecessor is gone: a new process holds its address
-            if old.key == peer.key and old.instance not in ("", instance):
-                self._lost(old, f"{old} was replaced by instance {instance}", proven=True)
-
-    def _same_instance(self, peer: _Peer, answer: dict) -> bool:
-        """Check an answer of `peer`'s address; False (and the registration retired) when another
-        process answered. A prefill that says it is leaving takes no new rooms from now on."""
-        if answer["instance"] != peer.instance:
-            self._lost(peer, f"{peer} was replaced by instance {answer['instance']}", proven=True, rehandshake=True)
-            return False
-        if answer.get("leaving"):
-            self._leaving(peer)
-        return True
-
-    def _leaving(self, peer: _Peer) -> None:
-        """The prefill is shutting down: no new rooms through this registration."""
-        if peer.state is PeerState.READY and not peer.leaving:
-            peer.leaving = True
-            self._retire(peer)
-            log.info("%s is leaving: new rooms wait for its successor, its rooms in flight finish", peer)
-
-    def _no_answer(self, peer: _Peer, now: float, e: BootstrapError) -> None:
-        if not e.unreachable:
-            return
-        peer.refused = e.refused
-        if peer.unreachable_since is None:
-            peer.unreachable_since = now
-        if peer.state is PeerState.GONE and e.refused:
-            peer.proven_gone = True  # nothing listens: the process exited after its last write
-
-    def _offline(self, peer: _Peer, why: str) -> None:
-        if peer.state is not PeerState.READY:
-            return
-        self.counters["peers_offline"] += 1
-        self._lost(peer, f"{peer} is offline: {why}", proven=peer.refused)
-
-    def _lost(self, peer: _Peer, message: str, proven: bool, rehandshake: bool = False) -> None:
-        """The registration is void. Requests waiting on it fail (see _advance); with
-        `rehandshake`, a new handshake with the address starts now instead of on the next request."""
-        peer.proven_gone |= proven
-        if peer.state is PeerState.GONE:
-            return
-        peer.state, peer.error, peer.code = PeerState.GONE, message, "unavailable"
-        log.warning("%s", message)
-        self._retire(peer)
-        if rehandshake:
-            self._peer(peer.key)
-
-    def _retire(self, peer: _Peer) -> None:
-        if self.peers.get(peer.key) is peer:
-            del self.peers[peer.key]
+        return rooms + [q.room for q in self.quarantine if q.peer is peer and peer.state is not PeerState.GONE]
 
     # -- the queues -------------------------------------------------------------------------------
     def poll(self, finished: list[Request], reserved_tokens: int) -> ConnectorEvents:
         now, self._events, self._reserved_tokens = time.monotonic(), ConnectorEvents(), reserved_tokens
-        for peer in self._known_peers():
-            self._update_peer(peer, now)
+        retired = [p.peer for p in self.pending.values()] + [q.peer for q in self.quarantine]
+        self.links.update(now, retired, self._rooms_waiting_on)
         for p in list(self.pending.values()):
             self._advance(p, now)
         self._release_quarantined(now)
         return self._events
 
     def _advance(self, p: _Pending, now: float) -> None:
-        """Move one request along: into the events once it arrived or ended."""
-        req, room = p.req, p.req.bootstrap.room
-        if p.stage is Stage.PREALLOC:
-            if p.peer.state is PeerState.GONE or p.peer.leaving:  # not registered yet: use the address's current peer
-                p.peer = self._peer(p.peer.key)
-            peer = p.peer
-            if peer.state is PeerState.FAILED:
-                self.counters["bootstrap_failures"] += 1
-                self.pool.submit(self._cancel, peer.client, room, peer.error)  # end the prefill leg now, if it can hear
-                return self._fail(p, peer.error, peer.code)
-            if peer.state is PeerState.READY and req.cached_pages and not peer.skips_pages:
-                self.memory.release(req)  # reserved for a prefill replaced by one that sends whole prompts
-            if peer.state is PeerState.READY and (req.slot is not None or self._reserve(req, peer)):
-                self.records.clear(req.slot)
-                p.stage = Stage.REGISTERING
-                p.call = self.pool.submit(
-                    peer.client.register, self.me, room, req.rid, req.prompt_len,
-                    prompt_digest(req.token_ids[: req.prompt_len]), req.pages[req.cached_pages :], req.slot,
-                    req.cached_pages,
-                )
-                p.call.add_done_callback(lambda _: self.wake())
-            elif now > p.due:
-                why = "the handshake with the prefill did not finish" if peer.state is not PeerState.READY else "no KV pages or slot came free"
-                self.counters["bootstrap_failures"] += 1
-                return self._fail(p, f"{why} within {self.config.bootstrap_timeout:g}s (--bootstrap-timeout)", "deadline_exceeded")
+        """Move one request along its stage (the module doc): into the events once it arrived or ended."""
+        {Stage.PREALLOC: self._prealloc, Stage.REGISTERING: self._registering, Stage.TRANSFER: self._transfer}[p.stage](p, now)
+
+    def _prealloc(self, p: _Pending, now: float) -> None:
+        """Wait for the handshake, then for a slot and pages; then register them under the room."""
+        if p.peer.state.retired:  # not registered yet: use the address's current registration
+            p.peer = self.links.for_room(p.peer.address)
+        req, peer = p.req, p.peer
+        if peer.state is PeerState.FAILED:
+            self.counters["bootstrap_failures"] += 1
+            self.links.pool.submit(self._cancel, peer.client, req.bootstrap.room, peer.error)  # end the prefill leg now, if it can hear
+            return self._fail(p, peer.error, peer.code)
+        if peer.state is PeerState.READY and req.cached_pages and not peer.skips_pages:
+            self.memory.release(req)  # reserved for a prefill replaced by one that sends whole prompts
+        if peer.state is PeerState.READY and (req.slot is not None or self._reserve(req, peer)):
+            return self._register(p)
+        if now > p.due:
+            why = "the handshake with the prefill did not finish" if peer.state is not PeerState.READY else "no KV pages or slot came free"
+            self.counters["bootstrap_failures"] += 1
+            return self._fail(p, f"{why} within {self.config.bootstrap_timeout:g}s (--bootstrap-timeout)", "deadline_exceeded")
+        return None
+
+    def _register(self, p: _Pending) -> None:
+        req = p.req
+        self.records.clear(req.slot)
+        p.stage = Stage.REGISTERING
+        p.call = self.links.pool.submit(
+            p.peer.client.register, self.me, req.bootstrap.room, req.rid, req.prompt_len,
+            prompt_digest(req.token_ids[: req.prompt_len]), req.pages[req.cached_pages :], req.slot, req.cached_pages,
+        )
+        p.call.add_done_callback(lambda _: self.wake())
+
+    def _registering(self, p: _Pending, now: float) -> None:
+        """The registration's answer: on to TRANSFER; back to PREALLOC, once, for a prefill that
+        restarted; or the end."""
+        if not p.call.done():
             return None
-        peer = p.peer
-        if p.stage is Stage.REGISTERING:
-            if not p.call.done():
-                return None
-            error = p.call.exception()
-            reason = getattr(error, "reason", "")  # set on the bootstrap service's own refusals
-            if error is None and self._same_instance(peer, p.call.result()):
-                p.stage, p.registered_at = Stage.TRANSFER, now
-                return None
-            if reason in ("unknown_peer", "leaving"):
-                # Refused before anything was registered: no write can come to these pages.
-                if reason == "leaving":
-                    self._leaving(peer)  # it still serves the rooms it has
-                else:  # the prefill restarted (or forgot us): handshake again and register there, once
-                    self._lost(peer, f"{peer} refused bootstrap_room {room}: {error}",
-                               proven=error.instance != peer.instance, rehandshake=True)
-                    if not p.retried:
-                        p.stage, p.retried = Stage.PREALLOC, True  # the reserved pages stay with the request
-                        return self._advance(p, now)
-                self.counters["bootstrap_failures"] += 1
-                return self._fail(p, f"registering bootstrap_room {room} failed: {error}", "unavailable")
-            if error is not None:
-                self.counters["bootstrap_failures"] += 1
-                code = "failed_precondition" if getattr(error, "conflict", False) else "unavailable"
-                return self._abandon(p, f"registering bootstrap_room {room} failed: {error}", code)
-            p.stage, p.registered_at = Stage.TRANSFER, now  # registered, but with a process already gone (below)
+        peer, room = p.peer, p.req.bootstrap.room
+        error = p.call.exception()
+        if error is None:
+            answer = p.call.result()
+            self.links.apply(peer, peer.on_answer(answer["instance"], bool(answer.get("leaving"))))
+            p.stage, p.registered_at = Stage.TRANSFER, now
+            # Registered, but with a process already gone: _transfer ends it now.
+            return self._transfer(p, now) if answer["instance"] != peer.instance else None
+        reason = getattr(error, "reason", "")  # set on the bootstrap service's own refusals
+        if reason in ("unknown_peer", "leaving"):
+            # Refused before anything was registered: no write can come to these pages.
+            message = f"{peer} refused bootstrap_room {room}: {error}"
+            self.links.apply(peer, peer.on_refused_registration(reason, error.instance, message))
+            if reason == "unknown_peer" and not p.retried:  # handshake again and register there, once
+                p.stage, p.retried = Stage.PREALLOC, True  # the reserved pages stay with the request
+                return self._prealloc(p, now)
+            self.counters["bootstrap_failures"] += 1
+            return self._fail(p, f"registering bootstrap_room {room} failed: {error}", "unavailable")
+        self.counters["bootstrap_failures"] += 1
+        code = "failed_precondition" if getattr(error, "conflict", False) else "unavailable"
+        return self._abandon(p, f"registering bootstrap_room {room} failed: {error}", code)
+
+    def _transfer(self, p: _Pending, now: float) -> None:
+        """Read the arrival record; end the request when its room can no longer deliver."""
+        req, peer, room = p.req, p.peer, p.req.bootstrap.room
         record = self.records.read(req.slot)
         if record is not None:
             if record.room != room:
@@ -371,10 +219,12 @@ class DecodeConnector(KVConnector):
                 return self._abandon(p, f"the arrival record for bootstrap_room {record.room} landed where room {room} "
                                      "was expected (wrong room)", "internal")
             return self._arrived(p, record, now)
-        if peer.state is PeerState.GONE:
+        if peer.state.void:
             self.counters["kv_transfer_failures"] += 1
             message = f"the KV for bootstrap_room {room} will not arrive: {peer.error}"
-            return self._fail(p, message, "unavailable") if peer.proven_gone else self._abandon(p, message, "unavailable", cancel=False)
+            if peer.state is PeerState.GONE:
+                return self._fail(p, message, "unavailable")
+            return self._abandon(p, message, "unavailable", cancel=False)
         status = peer.statuses.get(room, {})
         state = status.get("state")
         if state is RoomState.FAILED:
@@ -392,13 +242,13 @@ class DecodeConnector(KVConnector):
                                  f"{self.config.transfer_timeout:g}s (--transfer-timeout)", "deadline_exceeded")
         return None
 
-    def _reserve(self, req: Request, peer: _Peer) -> bool:
+    def _reserve(self, req: Request, peer: PeerLink) -> bool:
         """A slot and pages for the prompt, sharing the prefix our cache holds when the prefill can
         leave it out, and leaving the running requests their output headroom."""
         return self.memory.reserve(req, req.prompt_len, reuse_prefix=self._reuses(peer),
                                    keep_pages=self.memory.pages_for(self._reserved_tokens))
 
-    def _reuses(self, peer: _Peer) -> bool:
+    def _reuses(self, peer: PeerLink) -> bool:
         """Requests for `peer` share the prefix our cache holds (it can leave those pages out)."""
         return self.reuse and peer.skips_pages
 
@@ -446,7 +296,7 @@ class DecodeConnector(KVConnector):
         room = p.req.bootstrap.room
         self.quarantine.append(_Quarantined(p.req, p.peer, room, time.monotonic()))
         if cancel:
-            self.pool.submit(self._cancel, p.peer.client, room, message)
+            self.links.pool.submit(self._cancel, p.peer.client, room, message)
         return p.req
 
     @staticmethod
@@ -460,7 +310,7 @@ class DecodeConnector(KVConnector):
         for q in list(self.quarantine):
             state = q.peer.statuses.get(q.room, {}).get("state")
             overdue = now - q.since > self.config.transfer_timeout
-            if (state is not None and state.finished) or q.peer.proven_gone or overdue:
+            if (state is not None and state.finished) or q.peer.state is PeerState.GONE or overdue:
                 if overdue:
                     log.warning("releasing the pages of bootstrap_room %d after %.0fs without an answer from %s",
                                 q.room, now - q.since, q.peer)
@@ -486,8 +336,7 @@ class DecodeConnector(KVConnector):
             return ARRIVAL_POLL_S
         if self.has_work():
             return 0.05
-        beats = [p.next_heartbeat for p in self.peers.values() if p.state is PeerState.READY and p.heartbeat is None]
-        return max(0.0, min(beats) - time.monotonic()) if beats else None
+        return self.links.next_heartbeat()
 
     def step_poll_interval(self) -> float | None:
         # A KV that lands mid-step streams its first token now, not after the step (a decode
@@ -502,21 +351,8 @@ class DecodeConnector(KVConnector):
 
     def stats(self) -> dict[str, int]:
         transfer = sum(p.stage is Stage.TRANSFER for p in self.pending.values())
-        return {"prealloc_queue": len(self.pending) - transfer, "transfer_queue": transfer, **self.counters}
+        return {"prealloc_queue": len(self.pending) - transfer, "transfer_queue": transfer, **self.counters,
+                **self.links.counters}
 
     def close(self) -> None:
-        """Tell every prefill we hold a registration with that we are leaving: it forgets this
-        decode and fails the rooms we registered that it has not started writing."""
-        peers = [p for p in self.peers.values() if p.state is PeerState.READY]
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        if not peers:
-            return
-        with ThreadPoolExecutor(max_workers=len(peers), thread_name_prefix="tandem-bootstrap-leave") as goodbye:
-            calls = {goodbye.submit(p.client.leave, self.me, LEAVE_TIMEOUT_S): p for p in peers}
-            wait(calls, timeout=LEAVE_TIMEOUT_S + 1)
-        for call, peer in calls.items():
-            error = call.exception() if call.done() else TimeoutError("no answer")
-            if error is None:
-                log.info("left %s: %d of our rooms there ended", peer, call.result()["failed_rooms"])
-            else:
-                log.info("could not tell %s we are leaving: %s", peer, error)
+        self.links.close()
