@@ -1,6 +1,7 @@
 """Shared fixtures: the built-in model loaded once per session, engines that prove at teardown
-that they leaked nothing, and the HF transformers reference running the same GGUF weights
-(support/checks.py). Each test is marked with its tier, the folder it lives in."""
+that they leaked nothing, the HF transformers reference running the same GGUF weights
+(support/checks.py) and the exactness prompts with its outputs. Each test is marked with its tier,
+the folder it lives in."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from support.checks import HFReference, assert_engine_clean
+from support.checks import HFReference, assert_engine_clean, reference_workload
+from support.prompts import prompts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -48,6 +50,16 @@ def make_engine(smollm_fp32):
 @pytest.fixture(scope="session")
 def hf_reference():
     return HFReference()
+
+
+@pytest.fixture(scope="session")
+def greedy_workload(smollm_fp32, hf_reference):
+    """support/prompts.py's prompts (4 to 1,200+ tokens) with HF's greedy 24 tokens each: the
+    exactness tests' reference_workload() for run_and_compare()."""
+    ids = prompts(smollm_fp32.tokenizer)
+    lengths = sorted(map(len, ids))
+    assert len(ids) >= 10 and lengths[0] == 4 and lengths[-1] >= 1200, lengths
+    return reference_workload(hf_reference, ids, 24)
 
 
 TIERS = ("unit", "engine", "e2e", "packaging", "images")  # tests/<tier>/: each is also a marker (`pytest -m unit`)

@@ -126,13 +126,13 @@ def run_arm(log_dir: Path, roles: list[str], engine_args: tuple[str, ...], route
     with LocalStack(log_dir, engine_args) as stack:
         servers = stack.start_servers(roles)
         stack.wait()
-        base = stack.start_router(*router_args)
+        base = stack.start_router(*router_args).url
         run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
         result = drive(run_one, work, concurrency)
         texts = {s.role: [] for s in servers}
         for s in servers:
             texts[s.role].append(s.metrics_text())
-        router = metrics_text(stack.router_metrics_port)
+        router = metrics_text(stack.routers[0].metrics_port)
     if "decode" in texts:
         counted, prefix = texts["decode"], "tandem_decode_prefix"
         sent = sum(metric_value(t, "tandem_kv_transfer_bytes_total") for t in texts["prefill"])

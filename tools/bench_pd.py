@@ -100,7 +100,7 @@ def run(args, engine_args: list[str]) -> int:
         with LocalStack(logs / mode, (*engine_args, *flags)) as stack:
             servers = stack.start_servers(roles)
             stack.wait()
-            base = stack.start_router()
+            base = stack.start_router().url
             run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, tokenizer)
             result = {"bench": "pd", "mode": mode, **drive(run_one, work, args.concurrency)}
             if len(roles) == 2:

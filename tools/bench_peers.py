@@ -238,7 +238,7 @@ def run(args, engine_args: list[str]) -> int:
         with LocalStack(logs / name.replace(" ", "-"), tuple(engine_args)) as stack:
             stack.start_servers(roles)
             stack.wait()
-            base = stack.start_router()
+            base = stack.start_router().url
             results[name] = measure(base.removeprefix("http://"), stack.model_name, tokenizer, works, work_c1,
                                     args.concurrency)
         print(json.dumps({"bench": "peers", "system": name, **results[name]}), flush=True)

@@ -92,7 +92,7 @@ def run_pd_demo(engine_args: list[str], max_new_tokens: int, keep_running: bool,
         print(f"starting a prefill server, a decode server and the smg router (logs in {logs}) ...", flush=True)
         prefill, decode = stack.start_servers(["prefill", "decode"])
         stack.wait()
-        base = stack.start_router()
+        base = stack.start_router().url
         print(f"up in {time.monotonic() - t0:.1f}s: prefill grpc://{prefill.target} (bootstrap :{prefill.bootstrap_port}), "
               f"decode grpc://{decode.target}, router {base}", flush=True)
         total_tokens, total_time = 0, 0.0

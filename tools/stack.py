@@ -1,6 +1,6 @@
 """A local serving stack of real processes on 127.0.0.1: `tandem serve` servers (colocated,
 prefill, decode) and the `smg` router in front. `tandem demo` and `tandem bench pd` run on it;
-the tests use its waiting helpers.
+the tests use its servers, routers and waiting helpers.
 
 Ownership: the stack started every process it lists and stops all of them on close (SIGTERM,
 then SIGKILL after a grace period), including when the caller is interrupted.
@@ -143,14 +143,37 @@ ROUTER_PD_ARGS = ("--worker-wedge-secs", "120", "--load-monitor-interval", "1", 
                   "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000")
 
 
-@dataclass
+def served_tokenizer_dir(target: str) -> str:
+    """The tokenizer directory the server at `target` names in GetModelInfo: what smg loads as its
+    `--model-path`."""
+    import grpc
+    from smg_grpc_proto import sglang_scheduler_pb2 as pb
+    from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        return pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
+
+
+def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> int:
+    """Send `sig` to `proc` if it runs, SIGKILL after `timeout` seconds; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class Server:
-    role: str
-    proc: subprocess.Popen
-    port: int
-    metrics_port: int
-    log_path: Path
-    bootstrap_port: int | None = None
+    """`tandem serve` (spawn_server) on free ports, not waited for (see wait_healthy()). `args` are
+    its serve flags; `role` and `bootstrap_port` say what they set, for router_workers()."""
+
+    def __init__(self, args: list[str] | tuple[str, ...], log_path: Path, role: str = "colocated",
+                 bootstrap_port: int | None = None):
+        self.args, self.log_path, self.role, self.bootstrap_port = list(args), log_path, role, bootstrap_port
+        self.proc, self.port, self.metrics_port = spawn_server(self.args, log_path)
 
     @property
     def target(self) -> str:
@@ -159,6 +182,59 @@ class Server:
     def metrics_text(self) -> str:
         return metrics_text(self.metrics_port)
 
+    def wait_healthy(self, timeout: float = 240) -> None:
+        wait_healthy(self.target, self.proc, self.log_path, timeout)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        return stop_process(self.proc, sig, timeout)
+
+    def restart(self, sig=signal.SIGTERM, wait: bool = True) -> int:
+        """Stop the process with `sig`, then start a new one with the same flags at the same ports
+        (what a StatefulSet rollout does to a pod). Returns the old process's exit code."""
+        code = self.stop(sig)
+        self.proc, _, _ = spawn_server(self.args, self.log_path, self.port, self.metrics_port)
+        if wait:
+            self.wait_healthy()
+        return code
+
+
+class Router:
+    """`smg launch` (spawn_router) with flags `args`, the workers first (router_workers()), serving
+    `model` with the tokenizer in `tokenizer_dir`; constructed once it generates through its
+    workers, stopped if it never does."""
+
+    def __init__(self, *args: str, tokenizer_dir: str, log_path: Path, model: str = "smollm2"):
+        self.log_path = log_path
+        self.proc, self.port, self.metrics_port = spawn_router(list(args), tokenizer_dir, log_path)
+        try:
+            wait_router_ready(self.url, self.proc, log_path, model)
+        except BaseException:  # nothing half-started outlives a failed start
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
+        return http_post(self.url, path, body, timeout)
+
+    def stop(self) -> None:
+        stop_process(self.proc, signal.SIGTERM, 30)
+
+
+def router_workers(servers: list[Server]) -> list[str]:
+    """smg's flags naming `servers` as its workers: where any is a prefill, PD mode
+    (`--pd-disaggregation` and ROUTER_PD_ARGS, `--prefill URL BOOTSTRAP_PORT` per prefill, `--decode
+    URL` per decode); else `--worker-urls`."""
+    prefills = [s for s in servers if s.role == "prefill"]
+    if not prefills:
+        return ["--worker-urls", *(f"grpc://{s.target}" for s in servers)]
+    workers = ["--pd-disaggregation", *ROUTER_PD_ARGS]
+    for s in prefills:
+        workers += ["--prefill", f"grpc://{s.target}", str(s.bootstrap_port)]
+    return workers + [a for s in servers if s.role == "decode" for a in ("--decode", f"grpc://{s.target}")]
+
 
 @dataclass
 class LocalStack:
@@ -166,9 +242,7 @@ class LocalStack:
     engine_args: tuple[str, ...] = ()
     model_name: str = "smollm2"
     servers: list[Server] = field(default_factory=list)
-    router: subprocess.Popen | None = None
-    router_port: int = 0
-    router_metrics_port: int = 0
+    routers: list[Router] = field(default_factory=list)
 
     def start_server(self, role: str, *extra: str) -> Server:
         """Launch `tandem serve --role ROLE` (not waiting; see wait())."""
@@ -176,9 +250,7 @@ class LocalStack:
         args = ["--role", role, "--served-model-name", self.model_name, *self.engine_args, *extra]
         if bootstrap is not None:
             args += ["--bootstrap-port", str(bootstrap)]
-        log_path = self.log_dir / f"{role}-{len(self.servers)}.log"
-        proc, port, metrics_port = spawn_server(args, log_path)
-        server = Server(role, proc, port, metrics_port, log_path, bootstrap)
+        server = Server(args, self.log_dir / f"{role}-{len(self.servers)}.log", role, bootstrap)
         self.servers.append(server)
         return server
 
@@ -203,39 +275,25 @@ class LocalStack:
 
     def wait(self) -> None:
         for server in self.servers:
-            wait_healthy(server.target, server.proc, server.log_path)
+            server.wait_healthy()
 
-    def tokenizer_dir(self) -> str:
-        import grpc
-        from smg_grpc_proto import sglang_scheduler_pb2 as pb
-        from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(self.servers[0].target) as channel:
-            return pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
-
-    def start_router(self, *extra: str) -> str:
-        """`smg launch` over every server (PD mode when there are prefill servers), with `extra`
-        router flags; returns its base URL once it generates."""
-        prefills = [s for s in self.servers if s.role == "prefill"]
-        if prefills:
-            workers = ["--pd-disaggregation", *ROUTER_PD_ARGS]
-            for s in prefills:
-                workers += ["--prefill", f"grpc://{s.target}", str(s.bootstrap_port)]
-            workers += [a for s in self.servers if s.role == "decode" for a in ("--decode", f"grpc://{s.target}")]
-        else:
-            workers = ["--worker-urls", *(f"grpc://{s.target}" for s in self.servers)]
-        log_path = self.log_dir / "router.log"
-        self.router, self.router_port, self.router_metrics_port = spawn_router([*workers, *extra], self.tokenizer_dir(),
-                                                                               log_path)
-        wait_router_ready(self.router_url, self.router, log_path, self.model_name)
-        return self.router_url
+    def start_router(self, *extra: str, servers: list[Server] | None = None, name: str = "router") -> Router:
+        """`smg launch` over `servers` (every server by default; PD mode where there are prefill
+        servers), with `extra` router flags after the workers, logging to NAME.log; returned once it
+        generates."""
+        servers = self.servers if servers is None else servers
+        router = Router(*router_workers(servers), *extra, tokenizer_dir=served_tokenizer_dir(servers[0].target),
+                        log_path=self.log_dir / f"{name}.log", model=self.model_name)
+        self.routers.append(router)
+        return router
 
     @property
     def router_url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}"
+        """The first router's base URL."""
+        return self.routers[0].url
 
     def close(self, grace: float = 30) -> None:
-        procs = ([self.router] if self.router else []) + [s.proc for s in self.servers]
+        procs = [r.proc for r in self.routers] + [s.proc for s in self.servers]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

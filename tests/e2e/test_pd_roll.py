@@ -15,23 +15,22 @@ import time
 
 import pytest
 
-from support.serving import PDStack, RouterProcess, ServerProcess, assert_all_freed, metric_value, wait_for
-from tandem.tools.stack import ROUTER_PD_ARGS
+from support.serving import PDStack, Router, Server, assert_all_freed, metric_value, wait_for
 
 # Heartbeats every second (the default is 5 s) keep the scenarios short; the rules are the same.
-ENGINE = ("--max-total-tokens", "16384", "--served-model-name", "smollm2", "--bootstrap-timeout", "20",
-          "--peer-timeout", "2", "--peer-heartbeat-interval", "1", "--drain-grace-seconds", "30")
-ROUTER_ARGS = ("--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin", "--decode-policy", "round_robin")
+ENGINE = ("--max-total-tokens", "16384", "--bootstrap-timeout", "20", "--peer-timeout", "2", "--peer-heartbeat-interval", "1",
+          "--drain-grace-seconds", "30")
+ROUTER_ARGS = ("--prefill-policy", "round_robin", "--decode-policy", "round_robin")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     stack = PDStack(tmp_path_factory.mktemp("pd-roll"), ENGINE, ROUTER_ARGS)
     yield stack
-    stack.stop()
+    stack.close()
 
 
-def generate(router: RouterProcess, prompt: list[int], max_new_tokens: int = 8, timeout: float = 120) -> tuple[int, str]:
+def generate(router: Router, prompt: list[int], max_new_tokens: int = 8, timeout: float = 120) -> tuple[int, str]:
     body = {"model": "smollm2", "input_ids": prompt,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
     return router.post("/generate", body, timeout=timeout)
@@ -41,7 +40,7 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-def first_success_after(router: RouterProcess, rng: random.Random, timeout: float = 10) -> float:
+def first_success_after(router: Router, rng: random.Random, timeout: float = 10) -> float:
     """Seconds until a request through `router` succeeds; then five more in a row must succeed."""
     start = time.monotonic()
     while True:
@@ -57,7 +56,7 @@ def first_success_after(router: RouterProcess, rng: random.Random, timeout: floa
     return waited
 
 
-def in_flight(router: RouterProcess, prompts: list[list[int]], max_new_tokens: int) -> tuple[threading.Thread, list]:
+def in_flight(router: Router, prompts: list[list[int]], max_new_tokens: int) -> tuple[threading.Thread, list]:
     """Send every prompt at once from background threads; (joiner thread, [(status, body)])."""
     results: list = []
 
@@ -72,7 +71,7 @@ def in_flight(router: RouterProcess, prompts: list[list[int]], max_new_tokens: i
     return joiner, results
 
 
-def counter(server: ServerProcess, name: str) -> float:
+def counter(server: Server, name: str) -> float:
     return metric_value(server.metrics_text(), name)
 
 
@@ -90,8 +89,8 @@ def test_prefill_sigterm_roll_while_idle(stack):
     waited = first_success_after(stack.one_by_one, rng, timeout=5)
     assert counter(decode, "tandem_peer_rehandshakes_total") == rehandshakes + 1
     log = decode.log_path.read_text()
-    assert f"prefill 127.0.0.1:{stack.bootstrap_port(prefill)} (instance {old}) is leaving" in log
-    assert f"re-handshake with prefill 127.0.0.1:{stack.bootstrap_port(prefill)} (instance {new}): it replaced instance {old}" in log
+    assert f"prefill 127.0.0.1:{prefill.bootstrap_port} (instance {old}) is leaving" in log
+    assert f"re-handshake with prefill 127.0.0.1:{prefill.bootstrap_port} (instance {new}): it replaced instance {old}" in log
     assert counter(decode, "tandem_bootstrap_failures_total") == 0, f"a request failed ({waited:.1f}s to the first success)"
     assert_all_freed([prefill, decode])
 
@@ -143,7 +142,7 @@ class Load:
     """Requests through `router` from `concurrency` threads until stopped: short prompts, a few
     tokens each, every outcome kept."""
 
-    def __init__(self, router: RouterProcess, concurrency: int, seed: int):
+    def __init__(self, router: Router, concurrency: int, seed: int):
         self.router, self.rng = router, random.Random(seed)
         self.outcomes: list[tuple[float, int, str]] = []  # (time, status, body)
         self._stop = threading.Event()

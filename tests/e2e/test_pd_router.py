@@ -17,26 +17,24 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from support.checks import assert_matches_reference
-from support.serving import PDStack, RouterProcess, assert_all_freed, free_port, metric_value
+from support.serving import PDStack, Router, assert_all_freed, free_port, metric_value
 from support.structured import SCHEMAS, chat_completions_json
-from tandem.tools.stack import ROUTER_PD_ARGS
 
 NEW_TOKENS = 12
-ENGINE = ("--max-total-tokens", "16384", "--served-model-name", "smollm2", "--bootstrap-timeout", "20", "--peer-timeout", "2")
+ENGINE = ("--max-total-tokens", "16384", "--bootstrap-timeout", "20", "--peer-timeout", "2")
 
 
-ROUTER_ARGS = ("--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin",
-               "--decode-policy", "round_robin", "--disable-retries")
+ROUTER_ARGS = ("--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--disable-retries")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     stack = PDStack(tmp_path_factory.mktemp("pd"), ENGINE, ROUTER_ARGS)
     yield stack
-    stack.stop()
+    stack.close()
 
 
-def generate_all(router: RouterProcess, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS, timeout: float = 300):
+def generate_all(router: Router, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS, timeout: float = 300):
     """Send every prompt at once through the router's /generate; [(status, body)] in order."""
     results: list = [None] * len(prompts)
 
@@ -152,7 +150,7 @@ def test_prefill_killed_mid_flight(stack):
     request = pb.GenerateRequest(
         request_id="after-kill", tokenized=pb.TokenizedInput(input_ids=prompts[1]),
         sampling_params=pb.SamplingParams(temperature=0, top_p=1, top_k=-1, repetition_penalty=1, max_new_tokens=4),
-        disaggregated_params=pb.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=stack.bootstrap_ports[0], bootstrap_room=room),
+        disaggregated_params=pb.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=stack.prefills[0].bootstrap_port, bootstrap_room=room),
     )
     outs = {}
 

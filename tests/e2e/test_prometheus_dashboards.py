@@ -99,7 +99,7 @@ def observed_stack(tmp_path_factory):
     with LocalStack(logs) as stack:
         prefill, decode = stack.start_server("prefill"), stack.start_server("decode")
         stack.wait()
-        base = stack.start_router()
+        base = stack.start_router().url
         operator_port = free_port()
         operator_http, _ = start_http_server(operator_port, addr="127.0.0.1", registry=REGISTRY)
         pods = {"prefill": f"{SERVICE}-prefill-0", "decode": f"{SERVICE}-decode-0"}

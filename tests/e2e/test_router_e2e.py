@@ -13,7 +13,7 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
-from support.serving import RouterProcess, ServerProcess, http_post
+from support.serving import Router, ServerProcess, http_post, router_workers, served_tokenizer_dir
 from support.structured import SCHEMAS, chat_completions_json
 from tandem.server.scheduling.sampling_params import SamplingParams
 
@@ -25,10 +25,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def stack(tmp_path_factory):
     logs = tmp_path_factory.mktemp("router")
     server = ServerProcess("--max-total-tokens", str(POOL), "--served-model-name", "smollm2", log_path=logs / "server.log")
-    with grpc.insecure_channel(server.target) as channel:
-        tokenizer_dir = pb_grpc.SglangSchedulerStub(channel).GetModelInfo(pb.GetModelInfoRequest()).tokenizer_path
-    router = RouterProcess("--worker-urls", f"grpc://{server.target}", tokenizer_dir=tokenizer_dir, log_path=logs / "router.log")
-    yield router.base, server
+    router = Router(*router_workers([server]), tokenizer_dir=served_tokenizer_dir(server.target),
+                    log_path=logs / "router.log")
+    yield router.url, server
     router.stop()
     assert server.stop() == 0
 

@@ -16,13 +16,11 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from support.checks import assert_matches_reference
 from support.prompts import prompts
 from support.serving import PDStack, assert_all_freed
-from tandem.tools.stack import ROUTER_PD_ARGS, metric_value
+from tandem.tools.stack import metric_value
 
 NEW_TOKENS = 12
-ENGINE = ("--max-total-tokens", "8192", "--served-model-name", "smollm2", "--chunked-prefill-size", "256",
-          "--bootstrap-timeout", "30")
-ROUTER_ARGS = ("--pd-disaggregation", *ROUTER_PD_ARGS, "--prefill-policy", "round_robin",
-               "--decode-policy", "round_robin", "--disable-retries")
+ENGINE = ("--max-total-tokens", "8192", "--chunked-prefill-size", "256", "--bootstrap-timeout", "30")
+ROUTER_ARGS = ("--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--disable-retries")
 
 
 def tp_size(server) -> int:
@@ -65,4 +63,4 @@ def test_router_pd_between_tp_sizes_matches_the_reference(tmp_path, smollm_fp32,
             hits[attempt] = metric_value(stack.decodes[0].metrics_text(), "tandem_decode_prefix_hit_tokens_total")
         assert hits["again"] - hits["first"] == sum((len(prompt) - 1) // 16 * 16 for prompt in work)
     finally:
-        stack.stop()
+        stack.close()

@@ -7,22 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.checks import assert_matches_reference
-from support.prompts import prompts
-from tandem.server.scheduling.sampling_params import SamplingParams
-
-NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def workload(smollm_fp32, hf_reference):
-    ids = prompts(smollm_fp32.tokenizer)
-    lengths = sorted(len(p) for p in ids)
-    assert lengths[0] == 4 and lengths[-1] >= 1200, lengths
-    return [(p, *hf_reference.greedy(p, NEW_TOKENS)) for p in ids]
-
-
-GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+from support.checks import run_and_compare
 
 CONFIGS = {
     "page16-chunk256": dict(page_size=16, chunked_prefill_size=256),
@@ -34,43 +19,33 @@ CONFIGS = {
 }
 
 
-def run_and_compare(engine, workload, label: str):
-    streams = [engine.submit(p, GREEDY) for p, _, _ in workload]
-    results = [s.result() for s in streams]
-    for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
-        assert r.finish_reason == "length", f"{label} prompt {i}: {r.finish_reason} {r.error}"
-        assert_matches_reference(r.output_ids, want, gaps, f"{label} prompt {i} ({len(p)} tokens)")
-    return results
-
-
 @pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_matches_reference(make_engine, workload, name):
+def test_greedy_matches_reference(make_engine, greedy_workload, name):
     engine = make_engine(**CONFIGS[name])
-    run_and_compare(engine, workload, name)
+    run_and_compare(engine, greedy_workload, name)
     # The same prompts again: now served largely from the prefix cache, and still exact.
-    again = run_and_compare(engine, workload, name + " (second pass)")
+    again = run_and_compare(engine, greedy_workload, name + " (second pass)")
     if not CONFIGS[name].get("disable_radix_cache"):
-        assert all(r.cached_tokens > 0 for r, (p, _, _) in zip(again, workload) if len(p) > 2 * 16)
+        assert all(r.cached_tokens > 0 for r, (p, _, _) in zip(again, greedy_workload) if len(p) > 2 * 16)
     else:
         assert all(r.cached_tokens == 0 for r in again)
 
 
-def test_retraction_keeps_outputs_exact(make_engine, workload):
+def test_retraction_keeps_outputs_exact(make_engine, greedy_workload):
     # Room for the longest prompt plus its output, far from room for all of them at once; with no
     # output reserve, admission packs the pool and the decodes' growth must retract.
     engine = make_engine(
         page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0, min_new_token_ratio=0.0
     )
-    run_and_compare(engine, workload, "small pool")
+    run_and_compare(engine, greedy_workload, "small pool")
     assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was not small enough to retract"
 
 
-def test_batch_of_one_matches_batched(make_engine, workload):
+def test_batch_of_one_matches_batched(make_engine, greedy_workload):
     """Each prompt alone gives what it gave inside the batch (and what the reference gives)."""
     engine = make_engine(page_size=16, chunked_prefill_size=256, disable_radix_cache=True)
-    for p, want, gaps in workload[:4]:
-        r = engine.submit(p, GREEDY).result()
-        assert_matches_reference(r.output_ids, want, gaps, "alone")
+    for i, case in enumerate(greedy_workload[:4]):
+        run_and_compare(engine, [case], f"alone (prompt {i})")
 
 
 def test_decode_projections_read_the_gguf_blocks(smollm_fp32):

@@ -7,47 +7,27 @@ from __future__ import annotations
 
 import pytest
 
-from support.checks import assert_engine_clean, assert_matches_reference
-from support.prompts import prompts
+from support.checks import assert_engine_clean, run_and_compare
 from support.serving import process_gone
 from tandem.server.config import EngineConfig
 from tandem.server.loop.engine import Engine
-from tandem.server.scheduling.sampling_params import SamplingParams
-
-NEW_TOKENS = 24
-GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def workload(smollm_fp32, hf_reference):
-    ids = prompts(smollm_fp32.tokenizer)
-    assert len(ids) >= 10 and min(map(len, ids)) == 4 and max(map(len, ids)) >= 1200
-    return [(p, *hf_reference.greedy(p, NEW_TOKENS)) for p in ids]
 
 
 def tp_engine(**overrides) -> Engine:
     return Engine(EngineConfig(tp_size=3, dtype="float32", **overrides)).start()
 
 
-def run_and_compare(engine, workload, label: str):
-    results = [s.result() for s in [engine.submit(p, GREEDY) for p, _, _ in workload]]
-    for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
-        assert r.finish_reason == "length", f"{label} prompt {i}: {r.finish_reason} {r.error}"
-        assert_matches_reference(r.output_ids, want, gaps, f"{label} prompt {i} ({len(p)} tokens)")
-    return results
-
-
 def rank_pids(engine) -> list[int]:
     return [p.pid for p in engine.ranks._procs]
 
 
-def test_three_ranks_match_the_reference(workload):
+def test_three_ranks_match_the_reference(greedy_workload):
     engine = tp_engine(page_size=16, chunked_prefill_size=256, max_total_tokens=16384)
     try:
         assert engine.model.module.config.num_kv_heads == 1 and engine.kv_cache.num_kv_heads == 1
-        run_and_compare(engine, workload, "tp3")
-        again = run_and_compare(engine, workload, "tp3 (second pass, from the prefix cache)")
-        assert all(r.cached_tokens > 0 for r, (p, _, _) in zip(again, workload) if len(p) > 32)
+        run_and_compare(engine, greedy_workload, "tp3")
+        again = run_and_compare(engine, greedy_workload, "tp3 (second pass, from the prefix cache)")
+        assert all(r.cached_tokens > 0 for r, (p, _, _) in zip(again, greedy_workload) if len(p) > 32)
         assert_engine_clean(engine)
         pids = rank_pids(engine)
     finally:
@@ -55,11 +35,11 @@ def test_three_ranks_match_the_reference(workload):
     assert len(pids) == 2 and all(process_gone(pid) for pid in pids), "a rank outlived its engine"
 
 
-def test_three_ranks_stay_exact_through_retraction(workload):
+def test_three_ranks_stay_exact_through_retraction(greedy_workload):
     engine = tp_engine(page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0,
                        min_new_token_ratio=0.0)
     try:
-        run_and_compare(engine, workload, "tp3 small pool")
+        run_and_compare(engine, greedy_workload, "tp3 small pool")
         assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was not small enough to retract"
         assert_engine_clean(engine)
     finally:

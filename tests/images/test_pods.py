@@ -80,7 +80,7 @@ def local_reference(inst: render.Instance, log_dir) -> tuple[str, int, float]:
     with stack:
         stack.start_servers(["prefill", "decode"])
         stack.wait()
-        stream_chat(stack.start_router(), stack.model_name)  # warm, as the containers are by their probes
+        stream_chat(stack.start_router().url, stack.model_name)  # warm, as the containers are by their probes
         return stream_chat(stack.router_url, stack.model_name)
 
 

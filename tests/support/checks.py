@@ -78,20 +78,35 @@ def assert_matches_reference(got: list[int], want: list[int], gaps: list[float],
     assert len(got) == len(want), f"{label}: {len(got)} tokens, reference has {len(want)}"
 
 
-def assert_greedy_matches_reference(model, hf_reference, prompt_ids: list[list[int]], new_tokens: int, tolerance: float,
-                                    **config) -> None:
-    """All prompts through one Engine on `model` (greedy, EOS ignored, EngineConfig `config`), each
-    output token-identical to HF's greedy output up to a near tie below `tolerance`; the engine
-    left clean."""
-    from tandem.server.config import EngineConfig
-    from tandem.server.loop.engine import Engine
+def reference_workload(hf_reference, prompt_ids: list[list[int]], new_tokens: int) -> list[tuple]:
+    """[(prompt, HF's greedy output of `new_tokens` tokens, its top-2 logit gaps)]: what
+    run_and_compare() takes."""
+    return [(p, *hf_reference.greedy(p, new_tokens)) for p in prompt_ids]
+
+
+def run_and_compare(engine, workload: list[tuple], label: str, tolerance: float = 1e-3) -> list:
+    """Every prompt of `workload` (reference_workload()) submitted to `engine` at once, greedy with
+    EOS ignored, for as many tokens as the reference has; each finishes by length with the
+    reference's tokens up to a near tie below `tolerance` (assert_matches_reference). Returns the
+    results in workload order."""
     from tandem.server.scheduling.sampling_params import SamplingParams
 
-    workload = [(p, *hf_reference.greedy(p, new_tokens)) for p in prompt_ids]
-    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    with Engine(EngineConfig(**config), model=model) as engine:
-        results = [s.result() for s in [engine.submit(p, greedy) for p, _, _ in workload]]
-        assert_engine_clean(engine)
+    streams = [engine.submit(p, SamplingParams(max_new_tokens=len(want), temperature=0.0, ignore_eos=True))
+               for p, want, _ in workload]
+    results = [s.result() for s in streams]
     for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
-        assert r.finish_reason == "length", r.error
-        assert_matches_reference(r.output_ids, want, gaps, f"prompt {i} ({len(p)} tokens)", tolerance=tolerance)
+        assert r.finish_reason == "length", f"{label} prompt {i}: {r.finish_reason} {r.error}"
+        assert_matches_reference(r.output_ids, want, gaps, f"{label} prompt {i} ({len(p)} tokens)", tolerance=tolerance)
+    return results
+
+
+def assert_greedy_matches_reference(model, hf_reference, prompt_ids: list[list[int]], new_tokens: int, tolerance: float,
+                                    **config) -> None:
+    """All prompts through one Engine on `model` (EngineConfig `config`) by run_and_compare(), up to
+    a near tie below `tolerance`; the engine left clean."""
+    from tandem.server.config import EngineConfig
+    from tandem.server.loop.engine import Engine
+
+    with Engine(EngineConfig(**config), model=model) as engine:
+        run_and_compare(engine, reference_workload(hf_reference, prompt_ids, new_tokens), "greedy", tolerance)
+        assert_engine_clean(engine)

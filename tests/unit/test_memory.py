@@ -3,21 +3,9 @@ after every operation (free + cached + owned by requests == total)."""
 
 from __future__ import annotations
 
+from support.requests import make_request
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.request import Request
-from tandem.server.scheduling.sampling_params import SamplingParams
-
-
-def make_request(rid: str, prompt: list[int], max_new_tokens: int = 8) -> Request:
-    return Request(
-        rid=rid,
-        token_ids=list(prompt),
-        prompt_len=len(prompt),
-        params=SamplingParams(max_new_tokens=max_new_tokens),
-        max_new_tokens=max_new_tokens,
-        eos_ids=frozenset(),
-        sampling_seed=0,
-    )
 
 
 def admit(mem: KVMemory, req: Request, num_tokens: int | None = None) -> bool:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+import support.requests
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
 from tandem.server.scheduling.policy import CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS, prefill_tokens_per_pass
 from tandem.server.scheduling.request import Finish, Request, Status
-from tandem.server.scheduling.sampling_params import SamplingParams
 from tandem.server.scheduling.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
@@ -34,15 +34,8 @@ def make_scheduler(num_pages: int = 256, page_size: int = 4, prefix_cache: bool 
 
 
 def make_request(rid: str, prompt: list[int], max_new_tokens: int = 4, **params) -> Request:
-    return Request(
-        rid=rid,
-        token_ids=list(prompt),
-        prompt_len=len(prompt),
-        params=SamplingParams(max_new_tokens=max_new_tokens, **params),
-        max_new_tokens=max_new_tokens,
-        eos_ids=frozenset({EOS}),
-        sampling_seed=0,
-    )
+    """support.requests.make_request with this file's defaults: 4 new tokens at most, EOS stops."""
+    return support.requests.make_request(rid, prompt, max_new_tokens, frozenset({EOS}), **params)
 
 
 def outputs(req: Request) -> list[int]:
