@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from tandem.operator.spec import GROUP, KIND, POOLS, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
 from tandem.operator.schema import to_wire
+from tandem.operator.spec import GROUP, KIND, POOLS, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
 
 GRPC_PORT = 30000
 METRICS_PORT = 30001

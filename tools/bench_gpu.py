@@ -34,9 +34,9 @@ import torch
 from tandem.kernels.attention import create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.server.loop.cuda_graphs import DecodeGraphs
+from tandem.server.loop.runner import ForwardInputs, forward_pass
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.random_weights import SHAPES, random_weights, shape_config
-from tandem.server.loop.runner import ForwardInputs, forward_pass
 
 PAGE_SIZE = 16
 GOAL = 1.3  # batch-1 decode of the 8B shape with graphs, over its floor

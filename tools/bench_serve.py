@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tandem.common.stats import percentile
-from tandem.tools.bench_offline import make_workload
 from tandem.server.scheduling.sampling_params import SamplingParams
+from tandem.tools.bench_offline import make_workload
 
 
 @dataclass

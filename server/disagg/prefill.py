@@ -31,9 +31,9 @@ import torch
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapService
-from tandem.server.disagg.rooms import RoomState, RoomTable
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
 from tandem.server.disagg.layout import KVLayout, Writes, prompt_digest, transfer_plan
+from tandem.server.disagg.rooms import RoomState, RoomTable
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, MooncakeTransfer, RecordBuffer
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.request import Request

@@ -25,8 +25,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from tandem.server.loop.engine import Engine
 from tandem.server.kvcache.kv_events import AllCleared, BlocksRemoved, BlocksStored, CursorError, EventBatch, SubscriberLimitError
+from tandem.server.loop.engine import Engine
 from tandem.server.loop.outputs import StreamOutput
 from tandem.server.scheduling.request import Bootstrap
 from tandem.server.scheduling.sampling_params import CapacityError, Constraint, InvalidRequestError, SamplingParams

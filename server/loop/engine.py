@@ -35,26 +35,26 @@ import torch
 from tandem.kernels.cpu_ops import idle_compute_threads
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig, EngineConfig
-from tandem.server.loop.cuda_graphs import capture_decode_graphs
 from tandem.server.disagg.connector import advertise_host, create_connector
 from tandem.server.disagg.layout import KVLayout
+from tandem.server.kvcache.kv_events import KvEventPublisher, Subscription
+from tandem.server.loop.cuda_graphs import capture_decode_graphs
 from tandem.server.loop.grammar import GrammarCompiler
 from tandem.server.loop.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
 from tandem.server.loop.intake import Intake, RequestStream
-from tandem.server.kvcache.kv_events import KvEventPublisher, Subscription
 from tandem.server.loop.kv_pool import kv_layout, num_kv_pages
-from tandem.server.scheduling.memory import KVMemory
-from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
-from tandem.server.loop.outputs import CompletedOutput
 from tandem.server.loop.output_processor import OutputProcessor
-from tandem.server.parallel.group import threads_per_rank
-from tandem.server.parallel.workers import RankPool, RankSpec
-from tandem.server.scheduling.request import Bootstrap, Finish
+from tandem.server.loop.outputs import CompletedOutput
 from tandem.server.loop.runner import ModelRunner
-from tandem.server.scheduling.sampling_params import SamplingParams
-from tandem.server.scheduling.scheduler import Scheduler, SchedulerConfig
 from tandem.server.loop.stats import StatsObserver, engine_snapshot
 from tandem.server.loop.steps import OverlappedSteps, Steps, overlap_scheduling
+from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
+from tandem.server.parallel.group import threads_per_rank
+from tandem.server.parallel.workers import RankPool, RankSpec
+from tandem.server.scheduling.memory import KVMemory
+from tandem.server.scheduling.request import Bootstrap, Finish
+from tandem.server.scheduling.sampling_params import SamplingParams
+from tandem.server.scheduling.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("tandem.engine")
 

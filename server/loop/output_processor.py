@@ -10,10 +10,10 @@ from typing import Callable
 
 from tandem.server.loop.intake import RequestStream
 from tandem.server.loop.outputs import StreamOutput
-from tandem.server.scheduling.request import Finish, Request
 from tandem.server.loop.stats import StatsObserver
 from tandem.server.loop.stop_strings import StopStringMatcher
 from tandem.server.model.tokenizer import IncrementalDetokenizer
+from tandem.server.scheduling.request import Finish, Request
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from tandem.server.kvcache.page_allocator import PageAllocator
 from tandem.server.kvcache.prefix_cache import ChunkCache, EventRecorder, PrefixCache, PrefixMatch, RadixCache
-from tandem.server.scheduling.request import Request
 from tandem.server.kvcache.slot_table import SlotTable
+from tandem.server.scheduling.request import Request
 
 
 class KVMemory:

@@ -7,8 +7,8 @@ from collections import deque
 from typing import Iterator
 from dataclasses import dataclass
 
-from tandem.server.scheduling.memory import KVMemory
 from tandem.server.kvcache.prefix_cache import PrefixMatch
+from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.request import Request
 
 # A running request's future output is reserved up to this many tokens (times the ratio): beyond

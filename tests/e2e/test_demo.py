@@ -13,8 +13,8 @@ import time
 import torch
 
 from tandem.server.config import EngineConfig
-from tandem.tools.demo import QUESTIONS
 from tandem.server.scheduling.sampling_params import SamplingParams
+from tandem.tools.demo import QUESTIONS
 from tandem.tools.stack import http_post
 
 

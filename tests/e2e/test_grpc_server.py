@@ -22,8 +22,8 @@ from smg_grpc_proto.generated import common_pb2
 from support.checks import assert_matches_reference
 from support.serving import ServerProcess, metric_value
 from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
-from tandem.tools.client import Client, request_message
 from tandem.server.scheduling.sampling_params import Constraint, SamplingParams
+from tandem.tools.client import Client, request_message
 
 POOL = 6144
 

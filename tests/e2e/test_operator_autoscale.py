@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tandem.server.edge.metrics import Metrics
-from tandem.tools.stack import free_port
 from tandem.server.loop.stats import EngineSnapshot
+from tandem.tools.stack import free_port
 from support.kube_emulator import (CM, ISVC, NS, STS, URL, cluster, condition, eventually, events,  # noqa: F401
                                  example)
 

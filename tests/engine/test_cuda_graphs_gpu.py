@@ -22,9 +22,9 @@ from support.gpu import random_model
 from tandem.kernels.flashinfer_attention import FlashInferAttention
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.server.loop.cuda_graphs import DecodeGraphs
+from tandem.server.loop.runner import ForwardInputs, forward_pass
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.random_weights import random_weights, shape_config
-from tandem.server.loop.runner import ForwardInputs, forward_pass
 
 pytestmark = pytest.mark.gpu
 

@@ -25,9 +25,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tandem.cli.main import build_parser
 from tandem.operator import render
 from tandem.operator.spec import parse_spec
-from tandem.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
