@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2
+    architecture: str  # llama | mistral | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -22,6 +22,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: biases on q, k and v projections
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (one weight per head dim), before rotary
     rope_scaling: dict | None = None  # HF rope_scaling (llama3 type supported)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 dense) over a flat batch of tokens.
 
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
@@ -72,6 +72,9 @@ class DecoderLayer(nn.Module):
         self.down = linear(["mlp.down_proj"])
         self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
+        if config.qk_norm:
+            self.q_norm = nn.Parameter(w[p + "self_attn.q_norm.weight"], requires_grad=False)
+            self.k_norm = nn.Parameter(w[p + "self_attn.k_norm.weight"], requires_grad=False)
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +87,9 @@ class DecoderLayer(nn.Module):
         else:
             h, x = add_rms_norm(h, delta, self.input_norm, c.rms_norm_eps)
         q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        if c.qk_norm:  # per head, over its head_dim
+            q = rms_norm(q.reshape(-1, c.head_dim), self.q_norm, c.rms_norm_eps)
+            k = rms_norm(k.reshape(-1, c.head_dim), self.k_norm, c.rms_norm_eps)
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))

@@ -115,6 +115,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
 }
 
@@ -163,6 +165,7 @@ def _load_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor
         max_position_embeddings=int(meta("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
         name=source.name,
@@ -247,6 +250,9 @@ def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
     num_heads = cfg["num_attention_heads"]
+    # transformers 5 writes rope_theta and any scaling into one rope_parameters; older files, apart
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
     config = ModelConfig(
@@ -259,11 +265,12 @@ def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         num_kv_heads=cfg.get("num_key_value_heads", num_heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", "lm_head.weight" not in weights),
         attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-        rope_scaling=cfg.get("rope_scaling"),
+        qk_norm=model_type == "qwen3",
+        rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         name=source.name,

@@ -30,20 +30,23 @@ def cached_prefixes(cache) -> set[tuple[int, ...]]:
 
 
 class HFReference:
-    """Greedy decoding with HF transformers on the same GGUF weights (float32, CPU), recording the
-    top-2 logit gap at every generated position. Results are memoized per (prompt, length)."""
+    """Greedy decoding with HF transformers on the same GGUF weights (float32, CPU), or with `model`
+    (a HF model in float32), recording the top-2 logit gap at every generated position. Results
+    are memoized per (prompt, length)."""
 
-    def __init__(self):
+    def __init__(self, model=None):
         import torch
         from transformers import AutoModelForCausalLM
 
         from tandem.server.model.loader import resolve_model
 
-        source = resolve_model("builtin:smollm2-135m")
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
-        ).eval()
+        if model is None:
+            source = resolve_model("builtin:smollm2-135m")
+            model = AutoModelForCausalLM.from_pretrained(
+                str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
+            )
+        self.model = model.eval()
         self._memo: dict = {}
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
