@@ -31,6 +31,7 @@ from tandem.kernels.attention import AttentionBatch
 from tandem.kernels.flashinfer_attention import WORKSPACE_BYTES, FlashInferAttention, FlashInferGraphDecode
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import EngineConfig
+from tandem.server.model.config import ModelConfig
 from tandem.server.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("tandem.engine")
@@ -51,9 +52,11 @@ def capture_sizes(max_running_requests: int, asked: tuple[int, ...] = ()) -> lis
     return sorted(sizes | {max_running_requests})
 
 
-def graphs_unavailable(config: EngineConfig, device: torch.device, role: str, attention) -> str | None:
+def graphs_unavailable(config: EngineConfig, device: torch.device, role: str, attention,
+                       model: ModelConfig | None = None) -> str | None:
     """Why decode steps cannot replay CUDA graphs here, or None when they can. `attention`: the
-    runner's eager backend (graphs use FlashInfer's decode kernels as it does)."""
+    runner's eager backend (graphs use FlashInfer's decode kernels as it does); `model`: the
+    architecture."""
     if device.type != "cuda":
         return f"they are for CUDA devices; this server runs on {device.type}"
     if config.disable_cuda_graph:
@@ -62,6 +65,8 @@ def graphs_unavailable(config: EngineConfig, device: torch.device, role: str, at
         return "a prefill server runs no decode steps"
     if config.tp_size > 1:
         return f"not with tensor parallelism (--tp-size {config.tp_size}) yet: every rank would replay its own"
+    if model is not None and model.sparse_layers:
+        return "not for mixture-of-experts models yet: their experts are picked on the host every step"
     if not isinstance(attention, FlashInferAttention):
         return "the torch attention backend's decode batches change shape every step (use --attention-backend flashinfer)"
     return None
@@ -71,7 +76,7 @@ def capture_decode_graphs(config: EngineConfig, model: LlamaForCausalLM, kv_cach
                           attention, scratch_page: int) -> "DecodeGraphs | None":
     """The engine's graphs: captured and logged where they can run (`graphs_unavailable`), else
     None (logged on CUDA)."""
-    off = graphs_unavailable(config, kv_cache.device, role, attention)
+    off = graphs_unavailable(config, kv_cache.device, role, attention, model.config)
     if off is not None:
         if kv_cache.device.type == "cuda":
             log.info("CUDA graphs off: %s", off)

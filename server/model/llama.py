@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 dense) over a flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE) over a flat batch of tokens.
 
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
@@ -23,6 +23,7 @@ from tandem.kernels.block_linear import BlockWeights
 from tandem.kernels.layer_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ModelConfig
+from tandem.server.model.moe import SparseMoE
 from tandem.server.model.shard import Shard, shard_model
 
 
@@ -68,8 +69,10 @@ class DecoderLayer(nn.Module):
             qkv_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
         self.qkv = linear([f"self_attn.{n}_proj" for n in "qkv"], qkv_bias)
         self.o = linear(["self_attn.o_proj"])
-        self.gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
-        self.down = linear(["mlp.down_proj"])
+        self.moe = SparseMoE(config, p, w, prefill_dtype) if index in config.sparse_layers else None
+        if self.moe is None:
+            self.gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
+            self.down = linear(["mlp.down_proj"])
         self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
         self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
         if config.qk_norm:
@@ -94,7 +97,13 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
         h, x = add_rms_norm(h, self.all_reduce(self.o(o.reshape(-1, c.q_size))), self.post_norm, c.rms_norm_eps)
-        return h, self.all_reduce(self.down(silu_mul(self.gate_up(x))))
+        mlp = self.moe(x) if self.moe is not None else self.down(silu_mul(self.gate_up(x)))
+        return h, self.all_reduce(mlp)
+
+    def streamed_bytes(self, rows: int) -> int:
+        mlp = self.moe.streamed_bytes(rows) if self.moe is not None else (
+            self.gate_up.streamed_bytes(rows) + self.down.streamed_bytes(rows))
+        return self.qkv.streamed_bytes(rows) + self.o.streamed_bytes(rows) + mlp
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,6 +130,9 @@ class LlamaForCausalLM(nn.Module):
         compute_dtype = compute_dtype or dtype
         if dtype != torch.float32 or compute_dtype != torch.float32 or torch.device(device).type != "cpu":
             blocks = None
+        if config.sparse_layers and shard.size > 1:
+            raise ValueError(f"--tp-size={shard.size}: mixture-of-experts models ({config.architecture}) run on one "
+                             "rank for now (their experts are not split)")
         config, weights, blocks = shard_model(config, weights, blocks or {}, shard)
         self.config = config
         self.shard = shard
@@ -154,8 +166,7 @@ class LlamaForCausalLM(nn.Module):
     def streamed_bytes(self, rows: int) -> int:
         """Bytes of weights a forward pass over `rows` rows reads, in the form this module holds them:
         every layer's projections and the LM head (the embedding rows and the norms are negligible)."""
-        linears = [getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down")]
-        return sum(linear.streamed_bytes(rows) for linear in [self.lm_head, *linears])
+        return self.lm_head.streamed_bytes(rows) + sum(layer.streamed_bytes(rows) for layer in self.layers)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,18 @@ def load_block_weights(source: ModelSource, config: ModelConfig) -> dict[str, Bl
 
 
 # -- HF safetensors --------------------------------------------------------------------------------
+def _moe_fields(cfg: dict) -> dict:
+    """ModelConfig's mixture-of-experts fields from a HF config (none for a dense model): a layer's
+    MLP is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # the latter as transformers 5 writes it
+    if not experts:
+        return {}
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
+                norm_topk_prob=cfg.get("norm_topk_prob", True), sparse_layers=sparse)
+
+
 def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
@@ -269,7 +281,8 @@ def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", "lm_head.weight" not in weights),
         attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **_moe_fields(cfg),
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,

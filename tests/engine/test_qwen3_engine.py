@@ -1,5 +1,5 @@
-"""Qwen3 through the engine (paged KV, chunked prefill, the prefix cache, decode steps): greedy
-output token-identical to HF transformers' float32 Qwen3 on the same weights."""
+"""Qwen3 and Qwen3-MoE through the engine (paged KV, chunked prefill, the prefix cache, decode
+steps): greedy output token-identical to HF transformers' float32 model on the same weights."""
 
 from __future__ import annotations
 
@@ -8,24 +8,24 @@ import random
 import pytest
 
 from support.checks import HFReference, assert_engine_clean, reference_workload, run_and_compare
-from support.tiny_models import write_qwen3
+from support.tiny_models import write_qwen3, write_qwen3_moe
 from tandem.server.config import EngineConfig
 from tandem.server.loop.engine import Engine
 from tandem.server.model.loader import resolve_model
 from tandem.server.model.tokenizer import export_tokenizer
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def qwen3(request, tmp_path_factory):
     """The model directory (with the built-in model's tokenizer beside it: the prompts are token
-    ids below Qwen3's vocabulary) and HF's greedy outputs for a few prompts, 4 to 300 tokens."""
-    path = tmp_path_factory.mktemp("qwen3-engine")
-    hf = write_qwen3(path)
+    ids below the model's vocabulary) and HF's greedy outputs for a few prompts, 4 to 300 tokens."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = {"qwen3": write_qwen3, "qwen3_moe": write_qwen3_moe}[request.param](path)
     export_tokenizer(resolve_model(EngineConfig.model), path)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (4, 17, 64, 150, 300)]
     prompts.append(prompts[4][:200] + prompts[1])  # shares a long prefix with the last one
-    return path, reference_workload(HFReference(hf), prompts, 16)
+    return request.param, path, reference_workload(HFReference(hf), prompts, 16)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -33,11 +33,11 @@ def qwen3(tmp_path_factory):
     dict(page_size=1, disable_radix_cache=True, disable_overlap_schedule=True),
 ], ids=["page16-chunk64", "page1-no-cache-plain"])
 def test_qwen3_greedy_matches_hf(qwen3, overrides):
-    path, workload = qwen3
+    architecture, path, workload = qwen3
     with Engine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=4096, **overrides)) as engine:
-        assert engine.model.config.architecture == "qwen3"
-        run_and_compare(engine, workload, "qwen3")
-        again = run_and_compare(engine, workload, "qwen3 (second pass)")
+        assert engine.model.config.architecture == architecture
+        run_and_compare(engine, workload, architecture)
+        again = run_and_compare(engine, workload, f"{architecture} (second pass)")
         if not overrides.get("disable_radix_cache"):
             assert sum(r.cached_tokens for r in again) > 0
         assert_engine_clean(engine)

@@ -23,3 +23,26 @@ def write_qwen3(path: Path, seed: int = 0):
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     hf.save_pretrained(path)
     return hf
+
+
+def write_qwen3_moe(path: Path, norm_topk_prob: bool = True, seed: int = 0):
+    """A 3-layer Qwen3-MoE (8 experts, 2 per token; layer 1 dense through mlp_only_layers) in
+    `path`, with q/k norm weights away from HF's ones; returns HF's model (float32, eval)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=320, hidden_size=96, intermediate_size=192, moe_intermediate_size=48,
+                            num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                            decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, rope_theta=1e6,
+                            max_position_embeddings=512, tie_word_embeddings=False)
+    hf = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+            if hasattr(layer.mlp, "gate"):  # routers that prefer some experts, as trained ones do
+                layer.mlp.gate.weight.normal_(0, 0.5)
+    hf.save_pretrained(path)
+    return hf

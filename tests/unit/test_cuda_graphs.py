@@ -4,12 +4,15 @@ GPU (tests/engine/test_cuda_graphs_gpu.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import EngineConfig
 from tandem.server.loop.cuda_graphs import DecodeGraphs, capture_sizes, graphs_unavailable
+from tandem.server.model.config import ModelConfig
 
 
 def test_default_sizes_cover_one_to_the_running_limit():
@@ -65,3 +68,7 @@ def test_graphs_are_off_where_they_cannot_run():
     assert "no decode steps" in graphs_unavailable(config, cuda, "prefill", flashinfer)
     assert "--tp-size 2" in graphs_unavailable(EngineConfig(tp_size=2), cuda, "colocated", flashinfer)
     assert "torch attention backend" in graphs_unavailable(config, cuda, "colocated", object())
+    moe = ModelConfig("qwen3_moe", 8, 8, 16, 2, 2, 1, 4, 1e-6, 1e4, 64, False, False, num_experts=4,
+                      experts_per_token=2, sparse_layers=(0, 1))
+    assert "mixture-of-experts" in graphs_unavailable(config, cuda, "decode", flashinfer, moe)
+    assert graphs_unavailable(config, cuda, "decode", flashinfer, replace(moe, sparse_layers=())) is None

@@ -1,0 +1,56 @@
+"""Qwen3-MoE: a model directory written by HF transformers' Qwen3MoeForCausalLM loads through
+tandem's loader and gives its float32 logits, with the top-k router weights renormalized or not,
+a dense layer among the sparse ones; and a tensor-parallel rank is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.tiny_models import write_qwen3_moe
+from tandem.kernels.attention import AttentionBatch
+from tandem.kernels.kv_cache import PagedKVCache, flat_slots
+from tandem.kernels.torch_attention import TorchAttention
+from tandem.server.model.llama import LlamaForCausalLM
+from tandem.server.model.loader import load_weights, resolve_model
+from tandem.server.model.shard import Shard
+
+PAGE = 16
+
+
+def logits_of(module: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    c = module.config
+    cache = PagedKVCache(c.num_layers, 8, PAGE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
+    n = len(ids)
+    pages = list(range(1, -(-n // PAGE) + 1))
+    attn.prepare(AttentionBatch([n], [n], [pages], 1, torch.tensor(flat_slots(pages, 0, n, PAGE))))
+    with torch.inference_mode():
+        return module.logits(module(ids, torch.arange(n), attn))
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["norm-topk", "raw-topk"])
+def test_qwen3_moe_gives_hf_float32_logits(tmp_path, renormalize):
+    hf = write_qwen3_moe(tmp_path, norm_topk_prob=renormalize)
+    config, weights = load_weights(resolve_model(str(tmp_path)))
+    assert config.architecture == "qwen3_moe" and config.qk_norm
+    assert (config.num_experts, config.experts_per_token, config.norm_topk_prob) == (8, 2, renormalize)
+    assert config.sparse_layers == (0, 2)  # layer 1 is in mlp_only_layers
+    ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    assert ours.layers[1].moe is None and ours.layers[0].moe is not None
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    logits = logits_of(ours, ids)
+    with torch.inference_mode():
+        expected = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    # 40 tokens, 2 experts each, over 8 experts: every layer's pass used several experts
+    _, experts = ours.layers[0].moe.route(torch.randn(40, config.hidden_size))
+    assert len(experts.unique()) > 2
+
+
+def test_a_moe_model_is_refused_on_a_tensor_parallel_rank(tmp_path):
+    write_qwen3_moe(tmp_path)
+    config, weights = load_weights(resolve_model(str(tmp_path)))
+    with pytest.raises(ValueError, match=r"--tp-size=2: mixture-of-experts models \(qwen3_moe\) run on one rank"):
+        LlamaForCausalLM(config, weights, torch.float32, "cpu", shard=Shard(0, 2), all_reduce=lambda t: t)
