@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -24,7 +24,7 @@ class ModelConfig:
     attention_bias: bool  # Qwen2: biases on q, k and v projections
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (one weight per head dim), before rotary
     rope_scaling: dict | None = None  # HF rope_scaling (llama3 type supported)
-    # Mixture of experts (Qwen3-MoE, server/model/moe.py): which layers' MLPs are sparse
+    # Mixture of experts (Qwen3-MoE, Mixtral: server/model/moe.py): which layers' MLPs are sparse
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk_prob: bool = True  # the top k router probabilities renormalized to sum to one

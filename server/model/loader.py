@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,6 +237,11 @@ def load_block_weights(source: ModelSource, config: ModelConfig) -> dict[str, Bl
 
 
 # -- HF safetensors --------------------------------------------------------------------------------
+# Mixtral's names for the parts of a sparse MLP, as Qwen3-MoE names them (what moe.py reads)
+_MIXTRAL_PARTS = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = re.compile("|".join(map(re.escape, _MIXTRAL_PARTS)))
+
+
 def _moe_fields(cfg: dict) -> dict:
     """ModelConfig's mixture-of-experts fields from a HF config (none for a dense model): a layer's
     MLP is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
@@ -261,6 +267,8 @@ def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     weights = {}
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    if model_type == "mixtral":
+        weights = {_MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], k): v for k, v in weights.items()}
     num_heads = cfg["num_attention_heads"]
     # transformers 5 writes rope_theta and any scaling into one rope_parameters; older files, apart
     rope = cfg.get("rope_parameters") or {}

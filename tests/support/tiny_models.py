@@ -46,3 +46,21 @@ def write_qwen3_moe(path: Path, norm_topk_prob: bool = True, seed: int = 0):
                 layer.mlp.gate.weight.normal_(0, 0.5)
     hf.save_pretrained(path)
     return hf
+
+
+def write_mixtral(path: Path, seed: int = 0):
+    """A 2-layer Mixtral (4 experts, 2 per token, every layer sparse) in `path`; returns HF's model."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(vocab_size=320, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                           num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=512,
+                           tie_word_embeddings=False)
+    hf = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    hf.save_pretrained(path)
+    return hf

@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE through the engine (paged KV, chunked prefill, the prefix cache, decode
+"""Qwen3, Qwen3-MoE and Mixtral through the engine (paged KV, chunked prefill, the prefix cache, decode
 steps): greedy output token-identical to HF transformers' float32 model on the same weights."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ import random
 import pytest
 
 from support.checks import HFReference, assert_engine_clean, reference_workload, run_and_compare
-from support.tiny_models import write_qwen3, write_qwen3_moe
+from support.tiny_models import write_mixtral, write_qwen3, write_qwen3_moe
 from tandem.server.config import EngineConfig
 from tandem.server.loop.engine import Engine
 from tandem.server.model.loader import resolve_model
 from tandem.server.model.tokenizer import export_tokenizer
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "mixtral"])
 def qwen3(request, tmp_path_factory):
     """The model directory (with the built-in model's tokenizer beside it: the prompts are token
     ids below the model's vocabulary) and HF's greedy outputs for a few prompts, 4 to 300 tokens."""
     path = tmp_path_factory.mktemp(request.param)
-    hf = {"qwen3": write_qwen3, "qwen3_moe": write_qwen3_moe}[request.param](path)
+    hf = {"qwen3": write_qwen3, "qwen3_moe": write_qwen3_moe, "mixtral": write_mixtral}[request.param](path)
     export_tokenizer(resolve_model(EngineConfig.model), path)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (4, 17, 64, 150, 300)]

@@ -1,13 +1,14 @@
-"""Qwen3-MoE: a model directory written by HF transformers' Qwen3MoeForCausalLM loads through
-tandem's loader and gives its float32 logits, with the top-k router weights renormalized or not,
-a dense layer among the sparse ones; and a tensor-parallel rank is refused by name."""
+"""Mixture of experts: model directories written by HF transformers' Qwen3MoeForCausalLM (the top-k
+router weights renormalized or not, a dense layer among the sparse ones) and MixtralForCausalLM
+(its own weight names) load through tandem's loader and give HF's float32 logits; a
+tensor-parallel rank is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from support.tiny_models import write_qwen3_moe
+from support.tiny_models import write_mixtral, write_qwen3_moe
 from tandem.kernels.attention import AttentionBatch
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.torch_attention import TorchAttention
@@ -54,3 +55,18 @@ def test_a_moe_model_is_refused_on_a_tensor_parallel_rank(tmp_path):
     config, weights = load_weights(resolve_model(str(tmp_path)))
     with pytest.raises(ValueError, match=r"--tp-size=2: mixture-of-experts models \(qwen3_moe\) run on one rank"):
         LlamaForCausalLM(config, weights, torch.float32, "cpu", shard=Shard(0, 2), all_reduce=lambda t: t)
+
+
+def test_mixtral_gives_hf_float32_logits(tmp_path):
+    hf = write_mixtral(tmp_path)
+    config, weights = load_weights(resolve_model(str(tmp_path)))
+    assert config.architecture == "mixtral" and not config.qk_norm
+    assert (config.num_experts, config.experts_per_token, config.norm_topk_prob, config.sparse_layers) == (4, 2, True, (0, 1))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights  # read under Qwen3-MoE's names
+    ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
+    logits = logits_of(ours, ids)
+    with torch.inference_mode():
+        expected = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
