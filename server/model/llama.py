@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE) over a flat batch of tokens.
+"""Llama-family decoder over a flat batch of tokens: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 (its
+q/k norms), and with routed experts (moe.py) Qwen3-MoE and Mixtral.
 
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
