@@ -107,3 +107,11 @@ class PrefillBudget:
         if self.rem_chunk is not None:
             self.rem_chunk -= piece
         return piece
+
+
+def retraction_victim(candidates: list[Request]) -> Request | None:
+    """Which running request gives its pages back when decodes need more than are free: the one
+    with the fewest generated tokens (ties: the longest prompt, the most pages), never the last."""
+    if len(candidates) <= 1:
+        return None
+    return min(candidates, key=lambda r: (r.num_output, -r.prompt_len))

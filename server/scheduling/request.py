@@ -109,6 +109,18 @@ class Request:
     def remaining_new_tokens(self) -> int:
         return self.max_new_tokens - self.num_output
 
+    def stop_reason(self, token: int) -> Finish | None:
+        """Whether `token`, just appended, ends the request: EOS, a stop token, or max_new_tokens
+        (counting the tokens known, not those in flight). A constrained request's grammar allows an
+        EOS only once it is complete, and nothing after, so EOS ends it even with ignore_eos."""
+        if token in self.eos_ids and (not self.params.ignore_eos or self.grammar is not None):
+            return Finish("stop", matched=token)
+        if token in self.params.stop_token_ids:
+            return Finish("stop", matched=token)
+        if len(self.token_ids) - self.prompt_len >= self.max_new_tokens:
+            return Finish("length")
+        return None
+
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from tandem.server.config import EngineConfig
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
-from tandem.server.scheduling.policy import NewTokenRatio, PrefillBudget, order_waiting, prefill_tokens_per_pass
+from tandem.server.scheduling.policy import (
+    NewTokenRatio, PrefillBudget, order_waiting, prefill_tokens_per_pass, retraction_victim,
+)
 from tandem.server.scheduling.request import Finish, Request, Status
 
 log = logging.getLogger("tandem.scheduler")
@@ -107,7 +109,7 @@ class Scheduler:
             self._finish(req, Finish("abort", message=f"the prefill's first token {first_token} breaks the request's "
                                                       "constraint", code="internal"))
             return
-        finish = self._stop_reason(req, first_token)
+        finish = req.stop_reason(first_token)
         if finish is not None:
             self._finish(req, finish)
 
@@ -268,12 +270,10 @@ class Scheduler:
         return plans
 
     def _pick_victim(self) -> Request | None:
-        """Retract the running request with the fewest generated tokens (ties: longest prompt)."""
-        candidates = list(self.running) + ([self.chunked] if self.chunked is not None else [])
-        if len(candidates) <= 1:
-            return None
-        victim = min(candidates, key=lambda r: (r.num_output, -r.prompt_len))
-        self._retract(victim)
+        """Retract the request `retraction_victim` picks among the running ones, if any."""
+        victim = retraction_victim(list(self.running) + ([self.chunked] if self.chunked is not None else []))
+        if victim is not None:
+            self._retract(victim)
         return victim
 
     def _retract(self, req: Request) -> None:
@@ -328,7 +328,7 @@ class Scheduler:
                 req.output_logprobs.append(out.logprobs[i])
             if req.params.top_logprobs and out.top_logprobs:
                 req.output_top_logprobs.append(out.top_logprobs[i])
-            finish = self._stop_reason(req, token)
+            finish = req.stop_reason(token)
             if finish is not None:
                 self._finish(req, finish)
             touched.append(req)
@@ -346,17 +346,6 @@ class Scheduler:
         launched, reqs = self.launched.popleft()
         assert launched is plan, "steps are updated in the order they were planned"
         return reqs
-
-    @staticmethod
-    def _stop_reason(req: Request, token: int) -> Finish | None:
-        # A constrained request's grammar allows an EOS only once it is complete, and nothing after.
-        if token in req.eos_ids and (not req.params.ignore_eos or req.grammar is not None):
-            return Finish("stop", matched=token)
-        if token in req.params.stop_token_ids:
-            return Finish("stop", matched=token)
-        if len(req.token_ids) - req.prompt_len >= req.max_new_tokens:  # the tokens known, not those in flight
-            return Finish("length")
-        return None
 
     def _finish(self, req: Request, finish: Finish) -> None:
         if req.status is Status.WAITING:
