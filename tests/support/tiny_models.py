@@ -64,3 +64,34 @@ def write_mixtral(path: Path, seed: int = 0):
             layer.mlp.gate.weight.normal_(0, 0.5)
     hf.save_pretrained(path)
     return hf
+
+
+def forward_logits(module, ids):
+    """Logits at every position of one prompt `ids` through tandem's `module` (LlamaForCausalLM,
+    float32), with torch attention over as many 16-token pages as the prompt needs."""
+    import torch
+
+    from tandem.kernels.attention import AttentionBatch
+    from tandem.kernels.kv_cache import PagedKVCache, flat_slots
+    from tandem.kernels.torch_attention import TorchAttention
+
+    c, n, page = module.config, len(ids), 16
+    pages = list(range(1, -(-n // page) + 1))  # page 0 unused, as in the engine
+    cache = PagedKVCache(c.num_layers, len(pages) + 1, page, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
+    attn.prepare(AttentionBatch([n], [n], [pages], 1, torch.tensor(flat_slots(pages, 0, n, page))))
+    with torch.inference_mode():
+        return module.logits(module(ids, torch.arange(n), attn))
+
+
+def assert_hf_logits(module, hf, ids):
+    """tandem's `module` gives HF model `hf`'s float32 logits for `ids` (1e-4), and the same argmax
+    everywhere; returns HF's logits."""
+    import torch
+
+    logits = forward_logits(module, ids)
+    with torch.inference_mode():
+        expected = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    return expected

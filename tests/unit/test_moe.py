@@ -8,26 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.tiny_models import write_mixtral, write_qwen3_moe
-from tandem.kernels.attention import AttentionBatch
-from tandem.kernels.kv_cache import PagedKVCache, flat_slots
-from tandem.kernels.torch_attention import TorchAttention
+from support.tiny_models import assert_hf_logits, write_mixtral, write_qwen3_moe
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import load_weights, resolve_model
 from tandem.server.model.shard import Shard
-
-PAGE = 16
-
-
-def logits_of(module: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    c = module.config
-    cache = PagedKVCache(c.num_layers, 8, PAGE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
-    n = len(ids)
-    pages = list(range(1, -(-n // PAGE) + 1))
-    attn.prepare(AttentionBatch([n], [n], [pages], 1, torch.tensor(flat_slots(pages, 0, n, PAGE))))
-    with torch.inference_mode():
-        return module.logits(module(ids, torch.arange(n), attn))
 
 
 @pytest.mark.parametrize("renormalize", [True, False], ids=["norm-topk", "raw-topk"])
@@ -40,11 +24,7 @@ def test_qwen3_moe_gives_hf_float32_logits(tmp_path, renormalize):
     ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
     assert ours.layers[1].moe is None and ours.layers[0].moe is not None
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
-    logits = logits_of(ours, ids)
-    with torch.inference_mode():
-        expected = hf(ids[None]).logits[0].float()
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    assert_hf_logits(ours, hf, ids)
     # 40 tokens, 2 experts each, over 8 experts: every layer's pass used several experts
     _, experts = ours.layers[0].moe.route(torch.randn(40, config.hidden_size))
     assert len(experts.unique()) > 2
@@ -65,8 +45,4 @@ def test_mixtral_gives_hf_float32_logits(tmp_path):
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights  # read under Qwen3-MoE's names
     ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
-    logits = logits_of(ours, ids)
-    with torch.inference_mode():
-        expected = hf(ids[None]).logits[0].float()
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    assert_hf_logits(ours, hf, ids)

@@ -7,15 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.tiny_models import write_qwen3
-from tandem.kernels.attention import AttentionBatch
-from tandem.kernels.kv_cache import PagedKVCache, flat_slots
-from tandem.kernels.torch_attention import TorchAttention
+from support.tiny_models import assert_hf_logits, forward_logits, write_qwen3
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import load_weights, resolve_model
 from tandem.server.model.shard import Shard, shard_model
-
-PAGE = 16
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +18,6 @@ def qwen3_dir(tmp_path_factory):
     """A small random Qwen3 written by HF (safetensors + config.json), and HF's model."""
     path = tmp_path_factory.mktemp("qwen3")
     return path, write_qwen3(path)
-
-
-def run(module: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    c = module.config
-    cache = PagedKVCache(c.num_layers, 8, PAGE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
-    n = len(ids)
-    attn.prepare(AttentionBatch([n], [n], [[1, 2]], 1, torch.tensor(flat_slots([1, 2], 0, n, PAGE))))
-    with torch.inference_mode():
-        return module.logits(module(ids, torch.arange(n), attn))
 
 
 def test_the_loader_reads_qwen3s_config(qwen3_dir):
@@ -48,14 +33,10 @@ def test_qwen3_gives_hf_float32_logits(qwen3_dir):
     config, weights = load_weights(resolve_model(str(path)))
     ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
     ids = torch.randint(0, config.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
-    logits = run(ours, ids)
-    with torch.inference_mode():
-        expected = hf(ids[None]).logits[0].float()
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    expected = assert_hf_logits(ours, hf, ids)
     # Without the q/k norms the same weights give other logits: the test sees them.
     plain = LlamaForCausalLM(config.__class__(**{**config.__dict__, "qk_norm": False}), weights, torch.float32, "cpu")
-    assert not torch.allclose(run(plain, ids), expected, atol=1e-2)
+    assert not torch.allclose(forward_logits(plain, ids), expected, atol=1e-2)
 
 
 def test_tensor_parallel_ranks_keep_the_whole_qk_norms(qwen3_dir):
@@ -110,7 +91,4 @@ def test_a_qwen3_gguf_gives_hf_float32_logits(qwen3_dir, tmp_path):
     assert config.architecture == "qwen3" and config.qk_norm and config.head_dim == 32
     ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
     ids = torch.randint(0, c.vocab_size, (20,), generator=torch.Generator().manual_seed(2))
-    logits = run(ours, ids)
-    with torch.inference_mode():
-        expected = hf(ids[None]).logits[0].float()
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert_hf_logits(ours, hf, ids)
