@@ -4,7 +4,9 @@ A forward pass runs a ragged batch: sequence i contributes `q_lens[i]` new token
 `[qo_indptr[i], qo_indptr[i+1])` of q/k/v) whose positions continue its `kv_lens[i] - q_lens[i]`
 tokens already in the paged KV cache. Prompt pieces ("extends") come first, one-token decodes
 last. Causality is bottom-right aligned: new token j of sequence i sees KV positions
-`[0, kv_lens[i] - q_lens[i] + j]`.
+`[0, kv_lens[i] - q_lens[i] + j]`. A sliding-window layer (Gemma 3's local layers) narrows that
+to the last `window` of them: `[p - window + 1, p]` for a token at position p, as HF transformers
+masks it.
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ class AttentionBatch:
 class AttentionBackend(ABC):
     """Contract: `prepare(batch)` once per forward pass, before any layer; then `forward(layer, q,
     k, v)` for each layer in order. `forward` writes k and v of the new tokens into the cache at
-    `batch.out_slots` and returns attention over each sequence's whole KV (prefix + new tokens)."""
+    `batch.out_slots` and returns attention over each sequence's whole KV (prefix + new tokens), or
+    over its last `windows[layer]` positions where that is not 0. Every layer's KV is kept whole:
+    a window narrows what a layer reads, not what the cache holds."""
 
-    def __init__(self, kv_cache: PagedKVCache, num_heads: int, head_dim: int, scale: float):
+    def __init__(self, kv_cache: PagedKVCache, num_heads: int, head_dim: int, scale: float,
+                 windows: tuple[int, ...] = ()):
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.windows = windows or (0,) * kv_cache.num_layers  # per layer: 0 (all positions) or a window
+        if len(self.windows) != kv_cache.num_layers:
+            raise ValueError(f"{len(self.windows)} layer windows for a cache of {kv_cache.num_layers} layers")
 
     @abstractmethod
     def prepare(self, batch: AttentionBatch) -> None: ...
@@ -49,20 +57,26 @@ class AttentionBackend(ABC):
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
 
 
-def create_backend(name: str, kv_cache: PagedKVCache, num_heads: int, head_dim: int) -> AttentionBackend:
+def create_backend(name: str, kv_cache: PagedKVCache, num_heads: int, head_dim: int, scale: float | None = None,
+                   windows: tuple[int, ...] = ()) -> AttentionBackend:
     """`auto` picks FlashInfer on CUDA for 16-bit caches (it has no float32 kernels) and the torch
-    backend everywhere else."""
-    scale = head_dim**-0.5
+    backend everywhere else, and for models with sliding-window layers, which tandem does not plan
+    with FlashInfer yet. `scale`: of q.k (default 1/sqrt(head_dim)); `windows`: per layer, 0 or
+    its sliding window."""
+    scale = head_dim**-0.5 if scale is None else scale
     if name == "auto":
         half = kv_cache.dtype in (torch.float16, torch.bfloat16)
-        name = "flashinfer" if kv_cache.device.type == "cuda" and half else "torch"
+        name = "flashinfer" if kv_cache.device.type == "cuda" and half and not any(windows) else "torch"
     if name == "torch":
         from tandem.kernels.torch_attention import TorchAttention
 
-        return TorchAttention(kv_cache, num_heads, head_dim, scale)
+        return TorchAttention(kv_cache, num_heads, head_dim, scale, windows)
     if name == "flashinfer":
         if kv_cache.device.type != "cuda":
             raise ValueError("--attention-backend=flashinfer needs a CUDA device")
+        if any(windows):
+            raise ValueError("--attention-backend=flashinfer does not run sliding-window layers yet (Gemma 3): "
+                             "use --attention-backend torch or auto")
         from tandem.kernels.flashinfer_attention import FlashInferAttention
 
         return FlashInferAttention(kv_cache, num_heads, head_dim, scale)

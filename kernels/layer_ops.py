@@ -67,3 +67,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.tandem.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] = [gate | up] -> gelu(gate, tanh approximation) * up (Gemma's MLP; plain torch)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -31,22 +31,27 @@ class TorchAttention(AttentionBackend):
     def prepare(self, batch: AttentionBatch) -> None:
         device = self.kv_cache.device
         P = self.kv_cache.page_size
+        windows = sorted(set(self.windows) - {0})
         self.out_slots = batch.out_slots
-        self.extends = []  # (first row, q_len, kv_len, page ids, mask or None for plain causal)
+        # Per prompt piece: (first row, q_len, pages, {window: (first KV position read, mask or None
+        # for plain causal)}), window 0 being every position
+        self.extends = []
         row = 0
         for i in range(batch.num_extends):
             q_len, kv_len = batch.q_lens[i], batch.kv_lens[i]
             pages = torch.tensor(batch.page_tables[i], device=device)
-            mask = None
-            if q_len != kv_len:  # a cached prefix: new token j sees positions [0, kv_len - q_len + j]
-                cols = torch.arange(kv_len, device=device)
-                rows = torch.arange(kv_len - q_len, kv_len, device=device)
-                mask = cols[None, :] <= rows[:, None]
-            self.extends.append((row, q_len, kv_len, pages, mask))
+            start = kv_len - q_len  # new token j is at position start + j
+            rows = torch.arange(start, kv_len, device=device)[:, None]
+            views = {0: (0, None if start == 0 else torch.arange(kv_len, device=device)[None, :] <= rows)}
+            for w in windows:  # positions (p - w, p] of each new token p, read from the first any of them needs
+                lo = max(0, start - w + 1)
+                cols = torch.arange(lo, kv_len, device=device)[None, :]
+                views[w] = (lo, (cols <= rows) & (cols > rows - w))
+            self.extends.append((row, q_len, kv_len, pages, views))
             row += q_len
         # Decodes, sorted by length into a few padded buckets: one bucket would pad every sequence
         # to the longest, and the padding is read twice per layer (gather, then attention).
-        self.decode_buckets = []  # (output rows, padded page ids [b, width], mask [b, 1, 1, width * P])
+        self.decode_buckets = []  # (output rows, padded page ids [b, width], {window: mask [b, 1, 1, width * P]})
         self.in_place = None  # (first output row, padded page ids [b, width], kv lens [b])
         first = batch.num_extends
         if self.in_place_decode and first < len(batch.q_lens):
@@ -63,10 +68,12 @@ class TorchAttention(AttentionBackend):
             width = max(len(t) for t in tables)
             # Padding repeats each sequence's first page (any finite page would do: masked out).
             pages = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], device=device)
-            kv_lens = torch.tensor([batch.kv_lens[i] for i in members], device=device)
-            mask = (torch.arange(width * P, device=device)[None, :] < kv_lens[:, None])[:, None, None, :]
+            kv_lens = torch.tensor([batch.kv_lens[i] for i in members], device=device)[:, None]
+            positions = torch.arange(width * P, device=device)[None, :]
+            masks = {0: positions < kv_lens}
+            masks.update({w: masks[0] & (positions >= kv_lens - w) for w in windows})
             rows = torch.tensor([row + i - first for i in members], device=device)
-            self.decode_buckets.append((rows, pages, mask))
+            self.decode_buckets.append((rows, pages, {w: m[:, None, None, :] for w, m in masks.items()}))
 
     def _gather(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `pages` ([...] page ids) as [..., len * page_size, kv_heads, head_dim], in
@@ -80,25 +87,28 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_cache.write(layer, self.out_slots, k, v)
+        window = self.windows[layer]
         out = torch.empty_like(q)
-        for row, q_len, kv_len, pages, mask in self.extends:
+        for row, q_len, kv_len, pages, views in self.extends:
+            lo, mask = views[window]
             ki, vi = self._gather(layer, pages, q.dtype)
             qi = q[row : row + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            ki = ki[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len, D]
-            vi = vi[:kv_len].transpose(0, 1).unsqueeze(0)
+            ki = ki[lo:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len - lo, D]
+            vi = vi[lo:kv_len].transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True
             )
             out[row : row + q_len] = oi[0].transpose(0, 1)
-        for rows, pages, mask in self.decode_buckets:
+        for rows, pages, masks in self.decode_buckets:
             kd, vd = self._gather(layer, pages, q.dtype)  # [b, L, KVH, D]
             qd = q.index_select(0, rows).unsqueeze(2)  # [b, H, 1, D]
             od = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=True
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=masks[window], scale=self.scale, enable_gqa=True
             )
             out.index_copy_(0, rows, od.squeeze(2))
         if self.in_place is not None:  # decodes are the batch's last rows
             first, pages, kv_lens = self.in_place
             c = self.kv_cache
-            out[first:] = torch.ops.tandem.paged_decode_attention(q[first:], c.k[layer], c.v[layer], pages, kv_lens, self.scale)
+            out[first:] = torch.ops.tandem.paged_decode_attention(q[first:], c.k[layer], c.v[layer], pages, kv_lens,
+                                                                  self.scale, window)
         return out

@@ -121,7 +121,7 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     prompts = max(1, args.prefill_tokens // args.prefill_len)
     num_pages = max(rows_max * per_seq, prompts * -(-args.prefill_len // PAGE_SIZE)) + 1  # + the graphs' scratch page
     cache = PagedKVCache(c.num_layers, num_pages, PAGE_SIZE, c.num_kv_heads, c.head_dim, dtype, device)
-    attn = create_backend("auto", cache, c.num_heads, c.head_dim)
+    attn = create_backend("auto", cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
     graphs, capture_s = None, None
     if device.type == "cuda" and not args.no_graphs:
         graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)

@@ -60,7 +60,7 @@ def run(args) -> int:
             cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
                                  loaded.compute_dtype, torch.device("cpu"), huge_pages=huge_pages)
             cache.buffer.normal_()
-        return TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
+        return TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
 
     if args.compare == "kv-pages":
         huge, small = backend(True), backend(False)

@@ -166,21 +166,24 @@ void attend_group(const float* q, int64_t G, const T* const* k, const T* const* 
   }
 }
 
-// One task per sequence and kv head: its G query heads read that head's rows of the sequence's pages.
+// One task per sequence and kv head: its G query heads read that head's rows of the sequence's pages,
+// the last `window` of them where window > 0 (a sliding-window layer), else all.
 template <typename T>
 void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t* table, const int64_t* lens,
-            int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, float s) {
+            int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, int64_t window, float s) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> k, v;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / KVH, h = i % KVH, L = lens[b];
+      const int64_t b = i / KVH, h = i % KVH;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - first;
       const int64_t* pages = table + b * W;
       k.resize(L);
       v.resize(L);
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t row = ((pages[t / P] * P + t % P) * KVH + h) * D;
+        const int64_t pos = first + t;
+        const int64_t row = ((pages[pos / P] * P + pos % P) * KVH + h) * D;
         k[t] = kp + row;
         v[t] = vp + row;
       }
@@ -193,8 +196,10 @@ void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t*
 
 // q [B, H, D]; k_cache, v_cache [pages, page_size, KVH, D]; page_table [B, W] (pages of each
 // sequence, padded); kv_lens [B] -> [B, H, D] in q's dtype. Query head h reads KV head h / (H / KVH).
+// window > 0: each query sees only its sequence's last `window` positions (its own included).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& page_table, const at::Tensor& kv_lens, double scale) {
+                                  const at::Tensor& page_table, const at::Tensor& kv_lens, double scale,
+                                  int64_t window) {
   TORCH_CHECK(q_in.dim() == 3 && float_or_bf16(q_in.scalar_type()),
               "q must be float32 or bfloat16 [B, H, D]");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
@@ -213,6 +218,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
               "kv_lens must be contiguous int64 [B]");
   const int64_t W = page_table.size(1);
   TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
@@ -221,13 +227,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const float s = static_cast<float>(scale);
   dispatch(cache_dtype, [&]<typename T>() {
     attend(q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<float>(), table, lens, B, H,
-           D, P, KVH, W, s);
+           D, P, KVH, W, window, s);
   });
   return out.to(q_in.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor kv_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor kv_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

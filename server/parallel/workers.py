@@ -243,7 +243,7 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
         c = model.module.config
         kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.num_kv_heads, c.head_dim, model.compute_dtype,
                           model.device)
-        attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim)
+        attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
         transfer, part = None, None
         if spec.role != "colocated":
             from tandem.server.disagg.transfer import MooncakeTransfer

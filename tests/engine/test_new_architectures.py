@@ -1,5 +1,7 @@
-"""Qwen3, Qwen3-MoE and Mixtral through the engine (paged KV, chunked prefill, the prefix cache, decode
-steps): greedy output token-identical to HF transformers' float32 model on the same weights."""
+"""Qwen3, Qwen3-MoE, Mixtral and Gemma 3 through the engine (paged KV, chunked prefill, the prefix
+cache, decode steps): greedy output token-identical to HF transformers' float32 model on the same
+weights. Gemma 3's sliding window (7 positions) is far shorter than the prompts, so it crosses
+prefill chunks, reaches into cached prefixes and slides along the decode."""
 
 from __future__ import annotations
 
@@ -8,22 +10,25 @@ import random
 import pytest
 
 from support.checks import HFReference, assert_engine_clean, reference_workload, run_and_compare
-from support.tiny_models import write_mixtral, write_qwen3, write_qwen3_moe
+from support.tiny_models import write_gemma3, write_mixtral, write_qwen3, write_qwen3_moe
 from tandem.server.config import EngineConfig
 from tandem.server.loop.engine import Engine
 from tandem.server.model.loader import resolve_model
 from tandem.server.model.tokenizer import export_tokenizer
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "mixtral"])
-def qwen3(request, tmp_path_factory):
+WRITERS = {"qwen3": write_qwen3, "qwen3_moe": write_qwen3_moe, "mixtral": write_mixtral, "gemma3_text": write_gemma3}
+
+
+@pytest.fixture(scope="module", params=list(WRITERS))
+def family(request, tmp_path_factory):
     """The model directory (with the built-in model's tokenizer beside it: the prompts are token
     ids below the model's vocabulary) and HF's greedy outputs for a few prompts, 4 to 300 tokens."""
     path = tmp_path_factory.mktemp(request.param)
-    hf = {"qwen3": write_qwen3, "qwen3_moe": write_qwen3_moe, "mixtral": write_mixtral}[request.param](path)
+    hf = WRITERS[request.param](path)
     export_tokenizer(resolve_model(EngineConfig.model), path)
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (4, 17, 64, 150, 300)]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (4, 17, 64, 150, 300)]
     prompts.append(prompts[4][:200] + prompts[1])  # shares a long prefix with the last one
     return request.param, path, reference_workload(HFReference(hf), prompts, 16)
 
@@ -32,8 +37,8 @@ def qwen3(request, tmp_path_factory):
     dict(page_size=16, chunked_prefill_size=64),
     dict(page_size=1, disable_radix_cache=True, disable_overlap_schedule=True),
 ], ids=["page16-chunk64", "page1-no-cache-plain"])
-def test_qwen3_greedy_matches_hf(qwen3, overrides):
-    architecture, path, workload = qwen3
+def test_greedy_matches_hf(family, overrides):
+    architecture, path, workload = family
     with Engine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=4096, **overrides)) as engine:
         assert engine.model.config.architecture == architecture
         run_and_compare(engine, workload, architecture)

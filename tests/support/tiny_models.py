@@ -66,6 +66,47 @@ def write_mixtral(path: Path, seed: int = 0):
     return hf
 
 
+GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def gemma3_text_config(**overrides):
+    """A 5-layer Gemma 3 text config: a sliding window of 7 (prompts are longer), layers of both
+    kinds, a query_pre_attn_scalar unlike head_dim, linear RoPE scaling on the global layers and
+    another base on the local ones."""
+    from transformers import Gemma3TextConfig
+
+    fields = dict(vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=5, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=7,
+                  layer_types=GEMMA3_LAYERS, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    return Gemma3TextConfig(**{**fields, **overrides})
+
+
+def perturb_gemma3_norms(model, seed: int = 0) -> None:
+    """Gemma's norm weights start at 0 (a scale of 1 + 0): move every one of them, so that a
+    missing or misplaced norm shows in the logits."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) - 0.5)
+
+
+def write_gemma3(path: Path, seed: int = 0, **overrides):
+    """A Gemma 3 text model (`gemma3_text_config`) in `path`; returns HF's model (float32, eval)."""
+    import torch
+    from transformers import Gemma3ForCausalLM
+
+    torch.manual_seed(seed)
+    hf = Gemma3ForCausalLM(gemma3_text_config(**overrides)).eval()
+    perturb_gemma3_norms(hf, seed)
+    hf.save_pretrained(path)
+    return hf
+
+
 def forward_logits(module, ids):
     """Logits at every position of one prompt `ids` through tandem's `module` (LlamaForCausalLM,
     float32), with torch attention over as many 16-token pages as the prompt needs."""
@@ -78,7 +119,7 @@ def forward_logits(module, ids):
     c, n, page = module.config, len(ids), 16
     pages = list(range(1, -(-n // page) + 1))  # page 0 unused, as in the engine
     cache = PagedKVCache(c.num_layers, len(pages) + 1, page, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
+    attn = TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
     attn.prepare(AttentionBatch([n], [n], [pages], 1, torch.tensor(flat_slots(pages, 0, n, page))))
     with torch.inference_mode():
         return module.logits(module(ids, torch.arange(n), attn))

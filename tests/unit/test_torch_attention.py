@@ -1,7 +1,8 @@
 """TorchAttention against naive dense attention: ragged batches of prompt pieces (with and
 without a cached prefix) and decodes, scattered pages, page sizes 1 and 16, and a bf16 cache
 read by float32 and by bfloat16 queries; decodes both gathered and read in place (tandem's
-paged_decode_attention)."""
+paged_decode_attention); and sliding-window layers, which see only each token's last `window`
+positions."""
 
 from __future__ import annotations
 
@@ -21,13 +22,17 @@ from tandem.kernels.torch_attention import TorchAttention
 H, KVH, D = 6, 2, 16
 
 
-def dense_attention(q, k, v, start):
-    """q: [n, H, D] at positions start..start+n-1; k, v: [start+n, KVH, D]."""
+def dense_attention(q, k, v, start, window=0):
+    """q: [n, H, D] at positions start..start+n-1; k, v: [start+n, KVH, D]; window > 0: each
+    query sees only positions (p - window, p]."""
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
     n, total = q.shape[0], k.shape[0]
-    visible = torch.arange(total)[None, :] <= torch.arange(start, start + n)[:, None]
+    cols, rows = torch.arange(total)[None, :], torch.arange(start, start + n)[:, None]
+    visible = cols <= rows
+    if window:
+        visible &= cols > rows - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -45,7 +50,10 @@ def assert_kernel_absent_for_a_reason() -> None:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("cache_dtype,decodes", [(torch.float32, "in place"), (torch.float32, "gathered"),
                                                  (torch.bfloat16, "gathered"), (torch.bfloat16, "in place")])
-def test_matches_dense_attention(page_size, cache_dtype, decodes):
+@pytest.mark.parametrize("window", [0, 9])
+def test_matches_dense_attention(page_size, cache_dtype, decodes, window):
+    """window 9: shorter than the prompt pieces and the longer decodes, reaching into a cached
+    prefix, and longer than the shortest decodes."""
     torch.manual_seed(0)
     rng = random.Random(page_size)
     # (cached prefix, new tokens): two prompt pieces, then decodes of various lengths.
@@ -69,7 +77,7 @@ def test_matches_dense_attention(page_size, cache_dtype, decodes):
         num_extends=num_extends,
         out_slots=torch.tensor([s for p, n, pages, *_ in seqs for s in flat_slots(pages, p, p + n, page_size)]),
     )
-    backend = TorchAttention(cache, H, D, D**-0.5)
+    backend = TorchAttention(cache, H, D, D**-0.5, (window,))
     # the bfloat16 model's queries are bfloat16; a CPU without native bfloat16 reads such a cache
     # with float32 math (gathered)
     q_dtype = cache_dtype if decodes == "in place" else torch.float32
@@ -89,7 +97,8 @@ def test_matches_dense_attention(page_size, cache_dtype, decodes):
     tol = 1e-5 if cache_dtype == torch.float32 else 2e-2
     for prefix, new, _, k, v, qi in seqs:
         # The reference sees K/V rounded as the cache stores them.
-        want = dense_attention(qi.to(q_dtype).float(), k.to(cache_dtype).float(), v.to(cache_dtype).float(), prefix)
+        want = dense_attention(qi.to(q_dtype).float(), k.to(cache_dtype).float(), v.to(cache_dtype).float(), prefix,
+                               window)
         torch.testing.assert_close(out[row : row + new].float(), want, atol=tol, rtol=tol)
         row += new
 
@@ -127,10 +136,12 @@ def test_a_cpu_cache_asks_linux_for_huge_pages(huge_pages):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cache_dtype):
+@pytest.mark.parametrize("window", [0, 40])
+def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cache_dtype, window):
     """The kernel alone: GQA group sizes 1 to 8, head dims that are and are not multiples of 16,
     sequences of 1 to 300 tokens on scattered pages of 16; a bfloat16 cache is widened exactly, so
-    the float32 math is as close to float64 on its values as on a float32 cache's."""
+    the float32 math is as close to float64 on its values as on a float32 cache's. A window of 40
+    starts mid-page, within the longer sequences."""
     if cpu_ops_unavailable() is not None:
         return assert_kernel_absent_for_a_reason()
     torch.manual_seed(heads)
@@ -141,10 +152,11 @@ def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cac
     width = -(-max(lens) // P)
     tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(lens))])
     q = torch.randn(len(lens), heads, dim)
-    out = torch.ops.tandem.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), dim**-0.5)
+    out = torch.ops.tandem.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), dim**-0.5, window)
     for b, L in enumerate(lens):
-        k = k_cache[tables[b]].reshape(-1, kv_heads, dim)[:L].double().repeat_interleave(heads // kv_heads, 1)
-        v = v_cache[tables[b]].reshape(-1, kv_heads, dim)[:L].double().repeat_interleave(heads // kv_heads, 1)
+        first = max(0, L - window) if window else 0
+        k = k_cache[tables[b]].reshape(-1, kv_heads, dim)[first:L].double().repeat_interleave(heads // kv_heads, 1)
+        v = v_cache[tables[b]].reshape(-1, kv_heads, dim)[first:L].double().repeat_interleave(heads // kv_heads, 1)
         p = (torch.einsum("hd,khd->hk", q[b].double(), k) * dim**-0.5).softmax(-1)
         torch.testing.assert_close(out[b].double(), torch.einsum("hk,khd->hd", p, v), atol=1e-5, rtol=1e-5)
 
