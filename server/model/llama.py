@@ -166,9 +166,6 @@ class LlamaForCausalLM(nn.Module):
         compute_dtype = compute_dtype or dtype
         if dtype != torch.float32 or compute_dtype != torch.float32 or torch.device(device).type != "cpu":
             blocks = None
-        if config.sparse_layers and shard.size > 1:
-            raise ValueError(f"--tp-size={shard.size}: mixture-of-experts models ({config.architecture}) run on one "
-                             "rank for now (their experts are not split)")
         config, weights, blocks = shard_model(config, weights, blocks or {}, shard)
         if config.norm_offset:  # fold Gemma's (1 + w) into the weights, in float32 before any rounding
             weights = {k: v + 1 if _is_norm(k) else v for k, v in weights.items()}

@@ -4,6 +4,9 @@ Rank r of `size` holds heads [r * H / size, (r + 1) * H / size) of the query hea
 share of the KV heads, and the same share of the MLP's intermediate features:
 - column-parallel (rows of the [out, in] weight): q, k, v (and their biases), gate, up;
 - row-parallel (columns): o and down, whose partial outputs the ranks sum (an all-reduce);
+- mixture of experts: every rank holds the same share of every expert's features, split as the
+  dense MLP's (gate, up by rows; down by columns), and the whole router, so that all ranks route
+  each token alike and the one all-reduce after the MLP sums the experts' partial outputs too;
 - replicated: the embedding, the norms; the lm_head lives on rank 0 only, which alone samples
   (vocab-parallel logits would add a gather of [rows, vocab] per step to save 1/size of a
   [hidden, vocab] product that only rank 0 needs).
@@ -15,6 +18,7 @@ the layer code is the same at every tensor-parallel size.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +28,7 @@ from tandem.server.model.config import ModelConfig
 
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
+_EXPERT = re.compile(r"^mlp\.experts\.\d+\.")  # an expert's projections split as the dense MLP's
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,8 @@ class Shard:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} of {self.size} is invalid")
         for what, count in (("query heads", config.num_heads), ("KV heads", config.num_kv_heads),
-                            ("MLP intermediate features", config.intermediate_size)):
+                            ("MLP intermediate features", config.intermediate_size),
+                            ("features of each expert", config.expert_intermediate_size)):
             if count % self.size:
                 raise ValueError(f"--tp-size={self.size} is invalid for {config.name}: it must divide the model's "
                                  f"{count} {what} (KV heads are not replicated across ranks)")
@@ -53,7 +59,8 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
     """The rank's layers as a model of their own: its heads and features, everything else alike."""
     shard.check(config)
     return replace(config, num_heads=config.num_heads // shard.size, num_kv_heads=config.num_kv_heads // shard.size,
-                   intermediate_size=config.intermediate_size // shard.size)
+                   intermediate_size=config.intermediate_size // shard.size,
+                   expert_intermediate_size=config.expert_intermediate_size // shard.size)
 
 
 def shard_model(config: ModelConfig, weights: dict[str, torch.Tensor], blocks: dict[str, BlockWeights],
@@ -69,7 +76,7 @@ def shard_model(config: ModelConfig, weights: dict[str, torch.Tensor], blocks: d
         module, _, kind = name.rpartition(".")
         if not module.startswith("model.layers."):
             continue
-        proj = module.split(".", 3)[3]
+        proj = _EXPERT.sub("mlp.", module.split(".", 3)[3])
         if proj in _COLUMN:
             rows = shard.span(w[name].shape[0])
             w[name] = w[name][rows].contiguous()

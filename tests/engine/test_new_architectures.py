@@ -33,15 +33,25 @@ def family(request, tmp_path_factory):
     return request.param, path, reference_workload(HFReference(hf), prompts, 16)
 
 
+# A pool of 400 tokens under the workload's 850 retracts requests (chunks of 64, no reserve for
+# their growth); the second pass of the others runs from the prefix cache.
+SMALL_POOL = dict(max_total_tokens=400, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(page_size=16, chunked_prefill_size=64),
     dict(page_size=1, disable_radix_cache=True, disable_overlap_schedule=True),
-], ids=["page16-chunk64", "page1-no-cache-plain"])
+    dict(page_size=1, disable_radix_cache=True, chunked_prefill_size=64, **SMALL_POOL),
+    dict(tp_size=2, page_size=16, chunked_prefill_size=64),
+], ids=["page16-chunk64", "page1-no-cache-plain", "page1-retract", "tp2"])
 def test_greedy_matches_hf(family, overrides):
     architecture, path, workload = family
-    with Engine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=4096, **overrides)) as engine:
+    config = EngineConfig(model=str(path), dtype="float32", **{"max_total_tokens": 4096, **overrides})
+    with Engine(config) as engine:
         assert engine.model.config.architecture == architecture
         run_and_compare(engine, workload, architecture)
+        if "init_new_token_ratio" in overrides:
+            assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was too large to retract"
         again = run_and_compare(engine, workload, f"{architecture} (second pass)")
         if not overrides.get("disable_radix_cache"):
             assert sum(r.cached_tokens for r in again) > 0
