@@ -265,7 +265,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
             bos_token_id=mc.bos_token_id or 0,
             max_req_input_len=min(e.context_length, e.max_total_tokens) - 1,
-            architectures=[{"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(mc.architecture, "LlamaForCausalLM")],
+            architectures=[mc.hf_class],
         )
 
     def GetServerInfo(self, request, context):

@@ -159,6 +159,10 @@ def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, to
         "pp_size": 1,
         "is_embedding": False,
         "vocab_size": engine.model.config.vocab_size,
+        # GetModelInfo names the architecture; the protocol has no field for a mixture of experts
+        "model_type": engine.model.config.architecture,
+        "num_experts": engine.model.config.num_experts,
+        "num_experts_per_tok": engine.model.config.experts_per_token,
         # SGLang's name for what compiles sampling_params.constraint (the protocol has no field of
         # its own for structured output).
         "grammar_backend": "xgrammar",

@@ -146,6 +146,7 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
         torch.cuda.empty_cache()
     if shard.rank:
         return LoadedModel(source, config, module, None, DTYPES[dtype], compute, dev, shard)
+    log.info("%s: %s", source.name, config.describe())
     log.info("%s on %s: %s weights (%s); batched projections in %s (%s); projections: %s; CPU flags: %s",
              source.name, dev, dtype, why, prefill, prefill_why, module.lm_head.describe(),
              " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-")

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3")  # the rope_scaling types rope_inv_freq computes
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3")
+# model_type -> the HF class of such a checkpoint (GetModelInfo's `architectures`)
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+SUPPORTED_ARCHITECTURES = tuple(HF_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,19 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attention_scale or self.head_dim**-0.5
+
+    @property
+    def hf_class(self) -> str:
+        return HF_CLASSES[self.architecture]
+
+    def describe(self) -> str:
+        """One line for the startup log: the architecture and what sets it apart."""
+        parts = [f"{self.architecture} ({self.hf_class}): {self.num_layers} layers, hidden {self.hidden_size}, "
+                 f"{self.num_heads} query / {self.num_kv_heads} KV heads of {self.head_dim}"]
+        if self.num_experts:
+            parts.append(f"{self.num_experts} experts, top {self.experts_per_token}, on {len(self.sparse_layers)} of "
+                         f"{self.num_layers} layers")
+        if self.sliding_layers:
+            parts.append(f"sliding window {self.sliding_window} on {len(self.sliding_layers)} of {self.num_layers} "
+                         "layers")
+        return ", ".join(parts)

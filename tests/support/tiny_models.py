@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_qwen3(path: Path, seed: int = 0):
+def write_qwen3(path: Path, seed: int = 0, vocab_size: int = 320):
     """A 3-layer Qwen3 (6 query heads, 2 KV heads, head_dim 32 unlike hidden/heads, vocabulary of
     320) in `path`, with q/k norm weights away from HF's ones; returns HF's model (float32, eval)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
                          num_attention_heads=6, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
                          rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=False)
     hf = Qwen3ForCausalLM(config).eval()
@@ -25,14 +25,14 @@ def write_qwen3(path: Path, seed: int = 0):
     return hf
 
 
-def write_qwen3_moe(path: Path, norm_topk_prob: bool = True, seed: int = 0):
+def write_qwen3_moe(path: Path, norm_topk_prob: bool = True, seed: int = 0, vocab_size: int = 320):
     """A 3-layer Qwen3-MoE (8 experts, 2 per token; layer 1 dense through mlp_only_layers) in
     `path`, with q/k norm weights away from HF's ones; returns HF's model (float32, eval)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=320, hidden_size=96, intermediate_size=192, moe_intermediate_size=48,
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, moe_intermediate_size=48,
                             num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
                             decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, rope_theta=1e6,
@@ -48,13 +48,13 @@ def write_qwen3_moe(path: Path, norm_topk_prob: bool = True, seed: int = 0):
     return hf
 
 
-def write_mixtral(path: Path, seed: int = 0):
+def write_mixtral(path: Path, seed: int = 0, vocab_size: int = 320):
     """A 2-layer Mixtral (4 experts, 2 per token, every layer sparse) in `path`; returns HF's model."""
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
-    config = MixtralConfig(vocab_size=320, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+    config = MixtralConfig(vocab_size=vocab_size, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                            num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=512,
                            tie_word_embeddings=False)
@@ -105,6 +105,34 @@ def write_gemma3(path: Path, seed: int = 0, **overrides):
     perturb_gemma3_norms(hf, seed)
     hf.save_pretrained(path)
     return hf
+
+
+# Each family's chat template, in the shape its checkpoints ship it (the turn markers are plain text
+# to the SmolLM2 tokenizer the tiny models use)
+CHAT_TEMPLATES = {
+    "qwen3": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}",
+    "mixtral": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+               "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
+    "gemma3": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+              "else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+}
+
+
+def write_tokenizer(path: Path, family: str) -> None:
+    """The built-in model's tokenizer in model directory `path`, with `family`'s chat template in
+    tokenizer_config.json, where Qwen3, Mixtral and Gemma 3 checkpoints keep it."""
+    import json
+
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.model.tokenizer import export_tokenizer
+
+    export_tokenizer(resolve_model(EngineConfig.model), path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATES[family]}))
 
 
 def forward_logits(module, ids):
