@@ -64,7 +64,27 @@ def _llama_fields(cfg: dict, model_type: str) -> dict:
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         **_moe_fields(cfg, model_type),
+        **_window_fields(cfg, model_type),
     )
+
+
+def _window_fields(cfg: dict, model_type: str) -> dict:
+    """Sliding-window attention as HF reads these configs: Mistral's and Mixtral's `sliding_window`
+    covers every layer (Mistral's is 4096 where the file is silent, as MistralConfig's default);
+    Qwen2's and Qwen3's only where `use_sliding_window`, on the layers `layer_types` names, else on
+    those from `max_window_layers` on."""
+    layers = _need(cfg, "num_hidden_layers", model_type)
+    if model_type in ("mistral", "mixtral"):
+        window = cfg.get("sliding_window", 4096 if model_type == "mistral" else None)
+        sliding = tuple(range(layers))
+    elif cfg.get("use_sliding_window"):
+        window = cfg.get("sliding_window", 4096)
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
+                                           else "full_attention" for i in range(layers)]
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    else:
+        window = None
+    return dict(sliding_window=window, sliding_layers=sliding) if window else {}
 
 
 def _moe_fields(cfg: dict, model_type: str) -> dict:

@@ -66,6 +66,41 @@ def write_mixtral(path: Path, seed: int = 0, vocab_size: int = 320):
     return hf
 
 
+def write_mistral(path: Path, seed: int = 0, vocab_size: int = 320, sliding_window: int | None = 7):
+    """A 2-layer Mistral whose sliding window (every layer's) is shorter than the prompts; returns
+    HF's model (float32, eval)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=sliding_window,
+                           rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=False)
+    hf = MistralForCausalLM(config).eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def write_qwen2(path: Path, seed: int = 0, vocab_size: int = 320):
+    """A 3-layer Qwen2 (biases on q, k and v; a sliding window of 7 from layer 1 on, through
+    use_sliding_window and max_window_layers); returns HF's model (float32, eval)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=2, use_sliding_window=True, sliding_window=7,
+                         max_window_layers=1, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    hf = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # HF starts the biases at zero: make them matter
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    hf.save_pretrained(path)
+    return hf
+
+
 GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
