@@ -66,7 +66,9 @@ def graphs_unavailable(config: EngineConfig, device: torch.device, role: str, at
     if config.tp_size > 1:
         return f"not with tensor parallelism (--tp-size {config.tp_size}) yet: every rank would replay its own"
     if model is not None and model.sparse_layers:
-        return "not for mixture-of-experts models yet: their experts are picked on the host every step"
+        return "not for mixture-of-experts models yet: their expert GEMMs have not been captured and checked on a GPU"
+    if model is not None and model.sliding_layers:
+        return "not for sliding-window models yet: their attention runs on the torch backend"
     if not isinstance(attention, FlashInferAttention):
         return "the torch attention backend's decode batches change shape every step (use --attention-backend flashinfer)"
     return None

@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
             qkv_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
         self.qkv = linear([f"self_attn.{n}_proj" for n in "qkv"], qkv_bias)
         self.o = linear(["self_attn.o_proj"])
-        self.moe = SparseMoE(config, p, w, prefill_dtype) if index in config.sparse_layers else None
+        self.moe = SparseMoE(config, p, w) if index in config.sparse_layers else None
         if self.moe is None:
             self.gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
             self.down = linear(["mlp.down_proj"])

@@ -40,16 +40,17 @@ SMALL_POOL = dict(max_total_tokens=400, init_new_token_ratio=0.0, min_new_token_
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(page_size=16, chunked_prefill_size=64),
+    dict(page_size=16, chunked_prefill_size=64, disable_overlap_schedule=False),
     dict(page_size=1, disable_radix_cache=True, disable_overlap_schedule=True),
     dict(page_size=1, disable_radix_cache=True, chunked_prefill_size=64, **SMALL_POOL),
     dict(tp_size=2, page_size=16, chunked_prefill_size=64),
-], ids=["page16-chunk64", "page1-no-cache-plain", "page1-retract", "tp2"])
+], ids=["page16-chunk64-overlap", "page1-no-cache-plain", "page1-retract", "tp2"])
 def test_greedy_matches_hf(family, overrides):
     architecture, path, workload = family
     config = EngineConfig(model=str(path), dtype="float32", **{"max_total_tokens": 4096, **overrides})
     with Engine(config) as engine:
         assert engine.model.config.architecture == architecture
+        assert engine.overlap == (overrides.get("disable_overlap_schedule") is False)
         run_and_compare(engine, workload, architecture)
         if "init_new_token_ratio" in overrides:
             assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was too large to retract"

@@ -172,20 +172,21 @@ def write_tokenizer(path: Path, family: str) -> None:
 
 def forward_logits(module, ids):
     """Logits at every position of one prompt `ids` through tandem's `module` (LlamaForCausalLM,
-    float32), with torch attention over as many 16-token pages as the prompt needs."""
+    float32), with torch attention over as many 16-token pages as the prompt needs, on the device
+    `ids` lie on."""
     import torch
 
     from tandem.kernels.attention import AttentionBatch
     from tandem.kernels.kv_cache import PagedKVCache, flat_slots
     from tandem.kernels.torch_attention import TorchAttention
 
-    c, n, page = module.config, len(ids), 16
+    c, n, page, device = module.config, len(ids), 16, ids.device
     pages = list(range(1, -(-n // page) + 1))  # page 0 unused, as in the engine
-    cache = PagedKVCache(c.num_layers, len(pages) + 1, page, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    cache = PagedKVCache(c.num_layers, len(pages) + 1, page, c.num_kv_heads, c.head_dim, torch.float32, device)
     attn = TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
-    attn.prepare(AttentionBatch([n], [n], [pages], 1, torch.tensor(flat_slots(pages, 0, n, page))))
+    attn.prepare(AttentionBatch([n], [n], [pages], 1, torch.tensor(flat_slots(pages, 0, n, page), device=device)))
     with torch.inference_mode():
-        return module.logits(module(ids, torch.arange(n), attn))
+        return module.logits(module(ids, torch.arange(n, device=device), attn))
 
 
 def assert_hf_logits(module, hf, ids):

@@ -72,3 +72,5 @@ def test_graphs_are_off_where_they_cannot_run():
                       experts_per_token=2, sparse_layers=(0, 1))
     assert "mixture-of-experts" in graphs_unavailable(config, cuda, "decode", flashinfer, moe)
     assert graphs_unavailable(config, cuda, "decode", flashinfer, replace(moe, sparse_layers=())) is None
+    windows = replace(moe, sparse_layers=(), sliding_window=4, sliding_layers=(0,))
+    assert "sliding-window" in graphs_unavailable(config, cuda, "decode", flashinfer, windows)

@@ -70,3 +70,16 @@ def test_mixtral_gives_hf_float32_logits(tmp_path):
     ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
     assert_hf_logits(ours, hf, ids)
+
+
+def test_the_per_expert_loop_gives_the_grouped_gemms_output(tmp_path):
+    """Where torch has no grouped GEMM for the device and dtype, each expert's rows go through
+    their own matmuls: same rows, same order, the same result."""
+    write_qwen3_moe(tmp_path)
+    config, weights = load_weights(resolve_model(str(tmp_path)))
+    moe = SparseMoE(config, "model.layers.2.", weights)
+    assert moe.grouped  # on a CPU
+    x = torch.randn(33, config.hidden_size, generator=torch.Generator().manual_seed(6))
+    grouped = moe(x)
+    moe.grouped = False
+    torch.testing.assert_close(moe(x), grouped, atol=1e-5, rtol=1e-5)
