@@ -53,20 +53,23 @@ class AttentionBackend(ABC):
     def prepare(self, batch: AttentionBatch) -> None: ...
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+        A latent cache (`kv_cache.latent`, multi-head latent attention): k [T, 1, head_dim] is the
+        tokens' latent rows, v is None, and the output is [T, num_heads, kv_cache.value_dim]."""
 
 
 def create_backend(name: str, kv_cache: PagedKVCache, num_heads: int, head_dim: int, scale: float | None = None,
                    windows: tuple[int, ...] = ()) -> AttentionBackend:
     """`auto` picks FlashInfer on CUDA for 16-bit caches (it has no float32 kernels) and the torch
-    backend everywhere else, and for models with sliding-window layers, which tandem does not plan
-    with FlashInfer yet. `scale`: of q.k (default 1/sqrt(head_dim)); `windows`: per layer, 0 or
+    backend everywhere else, and for models with sliding-window layers or a latent KV cache, which
+    tandem does not plan with FlashInfer yet. `scale`: of q.k (default 1/sqrt(head_dim)); `windows`: per layer, 0 or
     its sliding window."""
     scale = head_dim**-0.5 if scale is None else scale
     if name == "auto":
         half = kv_cache.dtype in (torch.float16, torch.bfloat16)
-        name = "flashinfer" if kv_cache.device.type == "cuda" and half and not any(windows) else "torch"
+        plain = not any(windows) and not kv_cache.latent
+        name = "flashinfer" if kv_cache.device.type == "cuda" and half and plain else "torch"
     if name == "torch":
         from tandem.kernels.torch_attention import TorchAttention
 
@@ -74,9 +77,9 @@ def create_backend(name: str, kv_cache: PagedKVCache, num_heads: int, head_dim: 
     if name == "flashinfer":
         if kv_cache.device.type != "cuda":
             raise ValueError("--attention-backend=flashinfer needs a CUDA device")
-        if any(windows):
-            raise ValueError("--attention-backend=flashinfer does not run sliding-window layers yet (Gemma 3): "
-                             "use --attention-backend torch or auto")
+        if any(windows) or kv_cache.latent:
+            raise ValueError("--attention-backend=flashinfer does not run sliding-window layers (Gemma 3) or latent "
+                             "attention (DeepSeek-V3) yet: use --attention-backend torch or auto")
         from tandem.kernels.flashinfer_attention import FlashInferAttention
 
         return FlashInferAttention(kv_cache, num_heads, head_dim, scale)

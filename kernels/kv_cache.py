@@ -2,7 +2,10 @@
 head_dim] (FlashInfer's NHD paged layout). Page ids come from the scheduler's PageAllocator.
 
 All of them are views into one contiguous buffer [num_layers, 2, num_pages, page_size,
-num_kv_heads, head_dim], so a KV transfer registers a single memory region. On a CPU that buffer
+num_kv_heads, head_dim], so a KV transfer registers a single memory region. A latent cache
+(multi-head latent attention, `value_dim` set) holds one part per layer, [num_layers, 1, ...]:
+each row is a token's latent and rotated key part, and V is a view of each row's first
+`value_dim` values. On a CPU that buffer
 asks Linux for transparent huge pages: a decode step reads each sequence's pages wherever the
 allocator put them, and over gigabytes of 4 KiB pages most of those reads also miss the TLB
 (`tandem bench step --compare kv-pages`)."""
@@ -43,28 +46,37 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         huge_pages: bool = True,
+        value_dim: int | None = None,
     ):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.value_dim = value_dim  # latent: V is K[..., :value_dim]; None: a V of its own
+        self.parts = 1 if value_dim is not None else 2
         self.dtype, self.device = dtype, torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: backends read whole pages, including the unwritten tail of a
         # sequence's last page. Masked scores drop those positions, but 0 * NaN is still NaN in
         # softmax(QK) @ V, so every slot must always hold a finite value.
-        self.buffer = torch.empty((num_layers, 2, *shape), dtype=dtype, device=self.device)
+        self.buffer = torch.empty((num_layers, self.parts, *shape), dtype=dtype, device=self.device)
         self.huge_pages = huge_pages and advise_huge_pages(self.buffer)
         self.buffer.zero_()
         self.k = [self.buffer[layer, 0] for layer in range(num_layers)]
-        self.v = [self.buffer[layer, 1] for layer in range(num_layers)]
+        self.v = [self.buffer[layer, 1] if self.parts == 2 else self.k[layer][..., :value_dim]
+                  for layer in range(num_layers)]
+
+    @property
+    def latent(self) -> bool:
+        return self.parts == 1
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V)."""
+        """Bytes of one page of one layer's K (or V, or latent)."""
         return self.page_size * self.num_kv_heads * self.head_dim * self.buffer.element_size()
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, parts: int = 2) -> int:
+        """`parts`: 2 (K and V) or 1 (a latent cache)."""
+        return parts * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def flat_k(self, layer: int) -> torch.Tensor:
         return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
@@ -72,11 +84,12 @@ class PagedKVCache:
     def flat_v(self, layer: int) -> torch.Tensor:
         return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' K and V at flat slots (page * page_size + offset), in the cache's
-        dtype (which may be narrower than the compute dtype)."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Store the new tokens' K and V (a latent cache: K alone, v None) at flat slots (page *
+        page_size + offset), in the cache's dtype (which may be narrower than the compute dtype)."""
         self.flat_k(layer)[slots] = k.to(self.dtype)
-        self.flat_v(layer)[slots] = v.to(self.dtype)
+        if self.parts == 2:
+            self.flat_v(layer)[slots] = v.to(self.dtype)
 
 
 def flat_slots(pages: list[int], start: int, end: int, page_size: int) -> list[int]:

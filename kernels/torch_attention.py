@@ -81,14 +81,16 @@ class TorchAttention(AttentionBackend):
         c = self.kv_cache
         shape = (*pages.shape[:-1], pages.shape[-1] * c.page_size, c.num_kv_heads, c.head_dim)
         flat = pages.reshape(-1)
-        k = c.k[layer].flatten(1).index_select(0, flat).view(shape)
-        v = c.v[layer].flatten(1).index_select(0, flat).view(shape)
-        return k.to(dtype), v.to(dtype)
+        k = c.k[layer].flatten(1).index_select(0, flat).view(shape).to(dtype)
+        if c.latent:  # the values are the latent part of each row
+            return k, k[..., : c.value_dim]
+        return k, c.v[layer].flatten(1).index_select(0, flat).view(shape).to(dtype)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_cache.write(layer, self.out_slots, k, v)
         window = self.windows[layer]
-        out = torch.empty_like(q)
+        c = self.kv_cache
+        out = q.new_empty(*q.shape[:2], c.value_dim or q.shape[2])
         for row, q_len, kv_len, pages, views in self.extends:
             lo, mask = views[window]
             ki, vi = self._gather(layer, pages, q.dtype)
@@ -108,7 +110,10 @@ class TorchAttention(AttentionBackend):
             out.index_copy_(0, rows, od.squeeze(2))
         if self.in_place is not None:  # decodes are the batch's last rows
             first, pages, kv_lens = self.in_place
-            c = self.kv_cache
-            out[first:] = torch.ops.tandem.paged_decode_attention(q[first:], c.k[layer], c.v[layer], pages, kv_lens,
-                                                                  self.scale, window)
+            # A latent cache's values are its rows' first value_dim: the kernel sums whole rows and
+            # the rotated part's sums are dropped
+            v_cache = c.k[layer] if c.latent else c.v[layer]
+            decoded = torch.ops.tandem.paged_decode_attention(q[first:], c.k[layer], v_cache, pages, kv_lens,
+                                                              self.scale, window)
+            out[first:] = decoded[..., : out.shape[2]]
         return out

@@ -120,14 +120,14 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     per_seq = -(-(args.context + 1) // PAGE_SIZE)
     prompts = max(1, args.prefill_tokens // args.prefill_len)
     num_pages = max(rows_max * per_seq, prompts * -(-args.prefill_len // PAGE_SIZE)) + 1  # + the graphs' scratch page
-    cache = PagedKVCache(c.num_layers, num_pages, PAGE_SIZE, c.num_kv_heads, c.head_dim, dtype, device)
+    cache = PagedKVCache(c.num_layers, num_pages, PAGE_SIZE, c.kv_heads, c.kv_dim, dtype, device, value_dim=c.kv_value_dim)
     attn = create_backend("auto", cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
     graphs, capture_s = None, None
     if device.type == "cuda" and not args.no_graphs:
         graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
         capture_s = graphs.capture()
     wbytes = model.streamed_bytes(1)
-    kv_token = PagedKVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    kv_token = PagedKVCache.bytes_per_token(c.num_layers, c.kv_heads, c.kv_dim, dtype, cache.parts)
     pages = random.Random(0).sample(range(num_pages - 1), num_pages - 1)
 
     @torch.inference_mode()

@@ -57,8 +57,8 @@ def run(args) -> int:
 
     def backend(huge_pages: bool, cache: PagedKVCache | None = None) -> TorchAttention:
         if cache is None:
-            cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.num_kv_heads, c.head_dim,
-                                 loaded.compute_dtype, torch.device("cpu"), huge_pages=huge_pages)
+            cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.kv_heads, c.kv_dim,
+                                 loaded.compute_dtype, torch.device("cpu"), huge_pages=huge_pages, value_dim=c.kv_value_dim)
             cache.buffer.normal_()
         return TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
 

@@ -67,6 +67,8 @@ def graphs_unavailable(config: EngineConfig, device: torch.device, role: str, at
         return f"not with tensor parallelism (--tp-size {config.tp_size}) yet: every rank would replay its own"
     if model is not None and model.sparse_layers:
         return "not for mixture-of-experts models yet: their expert GEMMs have not been captured and checked on a GPU"
+    if model is not None and model.latent:
+        return "not for latent attention (DeepSeek-V3) yet: it runs on the torch attention backend"
     if model is not None and model.sliding_layers:
         return "not for sliding-window models yet: their attention runs on the torch backend"
     if not isinstance(attention, FlashInferAttention):

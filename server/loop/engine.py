@@ -126,8 +126,8 @@ class Engine:
         # On CUDA one page more than the pool hands out: where CUDA graphs' padding rows write (cuda_graphs.py).
         scratch = int(self.model.device.type == "cuda")
         self.kv_cache = PagedKVCache(
-            mc.num_layers, num_pages + scratch, config.page_size, lc.num_kv_heads, mc.head_dim,
-            self.model.compute_dtype, self.model.device
+            mc.num_layers, num_pages + scratch, config.page_size, lc.kv_heads, mc.kv_dim,
+            self.model.compute_dtype, self.model.device, value_dim=mc.kv_value_dim
         )
         if self.ranks is not None:
             self.ranks.build(num_pages, self.fail)

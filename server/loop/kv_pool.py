@@ -20,7 +20,7 @@ def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) 
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
     mc = model.module.config  # this tensor-parallel rank's KV heads
-    per_token = PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.compute_dtype)
+    per_token = kv_bytes_per_token(mc, model.compute_dtype)
     free, source = free_memory_bytes(model.device)
     budget = int(free * config.kv_memory_fraction)
     if model.device.type == "cpu":  # every rank's pool comes out of the same host memory
@@ -32,6 +32,12 @@ def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) 
              config.kv_memory_fraction, "" if model.shard.size == 1 else f" over {model.shard.size} ranks", source,
              "" if budget // per_token < cap else f"; capped at the context length x --max-running-requests ({cap})")
     return pages
+
+
+def kv_bytes_per_token(mc, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes on a rank whose share of the model `mc` describes: its KV
+    heads' K and V, or MLA's one latent row (which every rank holds whole)."""
+    return PagedKVCache.bytes_per_token(mc.num_layers, mc.kv_heads, mc.kv_dim, dtype, 1 if mc.latent else 2)
 
 
 def free_memory_bytes(device: torch.device) -> tuple[int, str]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROPE_TYPES = ("default", "linear", "llama3")  # the rope_scaling types rope_inv_freq computes
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the rope_scaling types rope_inv_freq computes
 # model_type -> the HF class of such a checkpoint (GetModelInfo's `architectures`)
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-              "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+              "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+              "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(HF_CLASSES)
 
 
@@ -35,6 +36,21 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top k router probabilities renormalized to sum to one
     sparse_layers: tuple[int, ...] = ()
     expert_intermediate_size: int = 0  # each expert's MLP width (Qwen3-MoE: moe_intermediate_size)
+    # DeepSeek-V3's routing: sigmoid scores, a bias that steers the choice (not the weights), the top
+    # k taken within the best `topk_group` of `n_group` groups, weights scaled; shared experts beside
+    scoring: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts: int = 0  # shared experts, run as one dense MLP of shared_experts x expert width
+    # Multi-head latent attention (DeepSeek-V3, server/model/mla.py): the KV cache holds one latent of
+    # kv_lora_rank values and qk_rope_head_dim rotated key values per token, shared by every head
+    kv_lora_rank: int = 0  # 0: not MLA
+    q_lora_rank: int = 0  # 0: one q projection; else a low-rank pair with a norm between
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotary dims in interleaved pairs (DeepSeek); loaded half-split
     # Gemma 3: sliding-window layers with their own RoPE base, norms around the attention and the MLP
     sliding_window: int = 0  # positions a sliding-window layer attends to, its own included
     sliding_layers: tuple[int, ...] = ()
@@ -57,6 +73,31 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def latent(self) -> bool:
+        """MLA: one latent KV per token, shared by all heads and, under tensor parallelism, by all ranks."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads the cache holds per token: this config's KV heads, or MLA's one latent."""
+        return 1 if self.latent else self.num_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Values per cached head and token: head_dim, or MLA's latent and rotated key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.latent else self.head_dim
+
+    @property
+    def kv_value_dim(self) -> int | None:
+        """MLA: the values are the latent, the first kv_lora_rank of each cached row (no V of their
+        own); None where the cache holds a V beside each K."""
+        return self.kv_lora_rank if self.latent else None
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.latent else self.head_dim
+
+    @property
     def layer_windows(self) -> tuple[int, ...]:
         """Per layer, the positions its attention reads back: its sliding window, or 0 for all."""
         return tuple(self.sliding_window if i in self.sliding_layers else 0 for i in range(self.num_layers))
@@ -76,6 +117,8 @@ class ModelConfig:
         if self.num_experts:
             parts.append(f"{self.num_experts} experts, top {self.experts_per_token}, on {len(self.sparse_layers)} of "
                          f"{self.num_layers} layers")
+        if self.latent:
+            parts.append(f"latent attention: KV of {self.kv_lora_rank} + {self.qk_rope_head_dim} per token and layer")
         if self.sliding_layers:
             parts.append(f"sliding window {self.sliding_window} on {len(self.sliding_layers)} of {self.num_layers} "
                          "layers")

@@ -25,7 +25,16 @@ def read_config(directory: Path, weight_names: set[str], name: str) -> ModelConf
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"model_type {model_type!r} is not one of {SUPPORTED_ARCHITECTURES}")
-    fields = _gemma3_fields(cfg) if model_type in ("gemma3", "gemma3_text") else _llama_fields(cfg, model_type)
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ConfigError(f"quantization_config ({method}): tandem loads unquantized weights (float32, bfloat16, "
+                          "float16); use a dequantized copy of the checkpoint")
+    if model_type in ("gemma3", "gemma3_text"):
+        fields = _gemma3_fields(cfg)
+    elif model_type == "deepseek_v3":
+        fields = _deepseek_v3_fields(cfg)
+    else:
+        fields = _llama_fields(cfg, model_type)
     if "tie_word_embeddings" not in fields:
         fields["tie_word_embeddings"] = cfg.get("tie_word_embeddings", "lm_head.weight" not in weight_names)
     scaling = fields.get("rope_scaling") or {}
@@ -148,6 +157,57 @@ def _gemma3_fields(cfg: dict) -> dict:
         norm_offset=True,
         sandwich_norms=True,
         embed_scale=True,
+        bos_token_id=c.bos_token_id,
+    )
+
+
+def _deepseek_v3_fields(cfg: dict) -> dict:
+    """DeepSeek-V3 (and models of its architecture, Kimi K2 among them): latent attention, the first
+    `first_k_dense_replace` layers dense and the rest DeepSeek's mixture of experts; read through
+    transformers' DeepseekV3Config, which fills its defaults and converts the rope settings."""
+    from transformers import DeepseekV3Config
+
+    c = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    if (c.moe_layer_freq if hasattr(c, "moe_layer_freq") else 1) != 1:
+        raise ConfigError(f"moe_layer_freq={c.moe_layer_freq}: tandem runs DeepSeek-V3 with every layer after the "
+                          "dense ones sparse")
+    rope = c.rope_parameters
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
+    if scaling and scaling.get("mscale_all_dim"):  # YaRN's correction of the attention's temperature
+        from tandem.server.model.llama import yarn_mscale
+
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_attention_heads,  # each head's K and V come from the one shared latent
+        head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=rope["rope_theta"],
+        rope_scaling=scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        attention_bias=False,
+        attention_scale=scale,
+        num_experts=c.n_routed_experts,
+        experts_per_token=c.num_experts_per_tok,
+        norm_topk_prob=c.norm_topk_prob,
+        sparse_layers=tuple(range(c.first_k_dense_replace, c.num_hidden_layers)),
+        expert_intermediate_size=c.moe_intermediate_size,
+        scoring="sigmoid",
+        n_group=c.n_group or 1,
+        topk_group=c.topk_group or 1,
+        routed_scaling_factor=c.routed_scaling_factor,
+        shared_experts=c.n_shared_experts or 0,
+        kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank or 0,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        rope_interleave=bool(c.rope_interleave),
         bos_token_id=c.bos_token_id,
     )
 

@@ -26,6 +26,7 @@ from tandem.kernels.block_linear import BlockWeights
 from tandem.kernels.layer_ops import add_rms_norm, apply_rope, gelu_tanh_mul, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ROPE_TYPES, ModelConfig
+from tandem.server.model.mla import LatentAttention
 from tandem.server.model.moe import SparseMoE
 from tandem.server.model.shard import Shard, shard_model
 
@@ -43,6 +44,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
         raise ValueError(f"rope_scaling type {kind!r} is not supported: tandem runs {', '.join(ROPE_TYPES)}")
     if kind == "linear":  # positions divided by the factor
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_ctx = scaling["original_max_position_embeddings"]
@@ -54,6 +57,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
     return inv_freq
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: the high frequencies kept, the low ones divided by the factor, a linear ramp between
+    the dims that turn beta_fast and beta_slow times over the original context (HF's numerics)."""
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_turning(turns: float) -> float:
+        return head_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(fast), dim_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    kept = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    wavelengths = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other types)."""
+    scaling = scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def _is_norm(name: str) -> bool:
@@ -78,11 +118,13 @@ class DecoderLayer(nn.Module):
             fused_blocks = BlockWeights.cat([blocks[k] for k in keys]) if all(k in blocks for k in keys) else None
             return Linear(torch.cat([w[k] for k in keys]), bias, fused_blocks, prefill_dtype)
 
-        qkv_bias = None
-        if config.attention_bias:
-            qkv_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-        self.qkv = linear([f"self_attn.{n}_proj" for n in "qkv"], qkv_bias)
-        self.o = linear(["self_attn.o_proj"])
+        self.mla = LatentAttention(config, p, w, prefill_dtype) if config.latent else None
+        if self.mla is None:
+            qkv_bias = None
+            if config.attention_bias:
+                qkv_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            self.qkv = linear([f"self_attn.{n}_proj" for n in "qkv"], qkv_bias)
+            self.o = linear(["self_attn.o_proj"])
         self.moe = SparseMoE(config, p, w) if index in config.sparse_layers else None
         if self.moe is None:
             self.gate_up = linear(["mlp.gate_proj", "mlp.up_proj"])
@@ -113,14 +155,7 @@ class DecoderLayer(nn.Module):
             x = rms_norm(h, self.input_norm, c.rms_norm_eps)
         else:
             h, x = add_rms_norm(h, delta, self.input_norm, c.rms_norm_eps)
-        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        if c.qk_norm:  # per head, over its head_dim
-            q = rms_norm(q.reshape(-1, c.head_dim), self.q_norm, c.rms_norm_eps)
-            k = rms_norm(k.reshape(-1, c.head_dim), self.k_norm, c.rms_norm_eps)
-        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
-        o = self.all_reduce(self.o(o.reshape(-1, c.q_size)))
+        o = self.all_reduce(self.attention(x, cos, sin, attn))
         if c.sandwich_norms:
             o = rms_norm(o, self.attn_out_norm, c.rms_norm_eps)
         h, x = add_rms_norm(h, o, self.mlp_norm, c.rms_norm_eps)
@@ -129,16 +164,36 @@ class DecoderLayer(nn.Module):
             mlp = rms_norm(mlp, self.mlp_out_norm, c.rms_norm_eps)
         return h, mlp
 
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """This rank's share of the attention's output (before the all-reduce)."""
+        c = self.config
+        if self.mla is not None:
+            return self.mla(self.index, x, cos, sin, attn)
+        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        if c.qk_norm:  # per head, over its head_dim
+            q = rms_norm(q.reshape(-1, c.head_dim), self.q_norm, c.rms_norm_eps)
+            k = rms_norm(k.reshape(-1, c.head_dim), self.k_norm, c.rms_norm_eps)
+        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
+        return self.o(o.reshape(-1, c.q_size))
+
     def streamed_bytes(self, rows: int) -> int:
         mlp = self.moe.streamed_bytes(rows) if self.moe is not None else (
             self.gate_up.streamed_bytes(rows) + self.down.streamed_bytes(rows))
+        if self.mla is not None:
+            return self.mla.streamed_bytes(rows) + mlp
         return self.qkv.streamed_bytes(rows) + self.o.streamed_bytes(rows) + mlp
 
 
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos and sin [T, 1, head_dim] at `positions`, computed in float32 as HF does."""
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+             factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin [T, 1, head_dim] at `positions` (times YaRN's `factor`), computed in
+    float32 as HF does."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    if factor != 1.0:
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -184,8 +239,9 @@ class LlamaForCausalLM(nn.Module):
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype) if shard.rank == 0 else None
         # RoPE tables: the global layers', and the sliding-window layers' own where they have one
-        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
+        self.register_buffer("inv_freq", rope_inv_freq(config.rope_dim, config.rope_theta, config.rope_scaling,
                                                        weights.get("rope_freqs")), persistent=False)
+        self.rope_factor = rope_attention_factor(config.rope_scaling)
         local = config.sliding_layers and config.local_rope_theta
         self.register_buffer("local_inv_freq", rope_inv_freq(config.head_dim, config.local_rope_theta) if local else None,
                              persistent=False)
@@ -197,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed)
         if self.config.embed_scale:  # as HF: sqrt(hidden) rounded to the embedding's dtype
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
-        rope = _cos_sin(positions, self.inv_freq, h.dtype)
+        rope = _cos_sin(positions, self.inv_freq, h.dtype, self.rope_factor)
         local = rope if self.local_inv_freq is None else _cos_sin(positions, self.local_inv_freq, h.dtype)
         sliding = set(self.config.sliding_layers)
         delta = None

@@ -7,6 +7,8 @@ share of the KV heads, and the same share of the MLP's intermediate features:
 - mixture of experts: every rank holds the same share of every expert's features, split as the
   dense MLP's (gate, up by rows; down by columns), and the whole router, so that all ranks route
   each token alike and the one all-reduce after the MLP sums the experts' partial outputs too;
+- multi-head latent attention: q (or q_b) and kv_b split by heads, o by columns; the latent's
+  projections (q_a, kv_a) and its cache replicated, every rank holding all of it;
 - replicated: the embedding, the norms; the lm_head lives on rank 0 only, which alone samples
   (vocab-parallel logits would add a gather of [rows, vocab] per step to save 1/size of a
   [hidden, vocab] product that only rank 0 needs).
@@ -26,9 +28,11 @@ import torch
 from tandem.kernels.block_linear import BLOCK, BlockWeights
 from tandem.server.model.config import ModelConfig
 
-_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+           "self_attn.q_b_proj", "self_attn.kv_b_proj")  # the last two: MLA's, per head
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
-_EXPERT = re.compile(r"^mlp\.experts\.\d+\.")  # an expert's projections split as the dense MLP's
+# an expert's projections, and DeepSeek's shared experts, split as the dense MLP's
+_EXPERT = re.compile(r"^mlp\.(experts\.\d+|shared_experts)\.")
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,8 @@ class Shard:
         """Raise ValueError naming the numbers when `config` cannot be split `size` ways."""
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} of {self.size} is invalid")
-        for what, count in (("query heads", config.num_heads), ("KV heads", config.num_kv_heads),
+        kv_heads = () if config.latent else (("KV heads", config.num_kv_heads),)  # a latent is not split
+        for what, count in (("query heads", config.num_heads), *kv_heads,
                             ("MLP intermediate features", config.intermediate_size),
                             ("features of each expert", config.expert_intermediate_size)):
             if count % self.size:

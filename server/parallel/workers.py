@@ -241,8 +241,8 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
                            group.all_reduce)
         _, num_pages = conn.recv()
         c = model.module.config
-        kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.num_kv_heads, c.head_dim, model.compute_dtype,
-                          model.device)
+        kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.kv_heads, c.kv_dim, model.compute_dtype,
+                          model.device, value_dim=c.kv_value_dim)
         attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
         transfer, part = None, None
         if spec.role != "colocated":

@@ -1,7 +1,9 @@
-"""Qwen3, Qwen3-MoE, Mixtral, Gemma 3, and Mistral and Qwen2 with their sliding windows, through
-the engine (paged KV, chunked prefill, the prefix cache, retraction, overlap and plain loops,
---tp-size 2): greedy output token-identical to HF transformers' float32 model on the same weights. The sliding windows (7 positions) are far shorter than the prompts, so they cross prefill
-chunks, reach into cached prefixes and slide along the decode."""
+"""Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Mistral and Qwen2 with their sliding windows, and DeepSeek-V3
+with its latent KV cache, through the engine (paged KV, chunked prefill, the prefix cache,
+retraction, overlap and plain loops, --tp-size 2): greedy output token-identical to HF
+transformers' float32 model on the same weights. The sliding windows (7 positions) are far shorter
+than the prompts, so they cross prefill chunks, reach into cached prefixes and slide along the
+decode."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import random
 import pytest
 
 from support.checks import HFReference, assert_engine_clean, reference_workload, run_and_compare
-from support.tiny_models import write_gemma3, write_mistral, write_mixtral, write_qwen2, write_qwen3, write_qwen3_moe
+from support.tiny_models import (write_deepseek_v3, write_gemma3, write_mistral, write_mixtral, write_qwen2, write_qwen3,
+                                 write_qwen3_moe)
 from tandem.server.config import EngineConfig
 from tandem.server.loop.engine import Engine
 from tandem.server.model.loader import resolve_model
@@ -18,7 +21,7 @@ from tandem.server.model.tokenizer import export_tokenizer
 
 
 WRITERS = {"qwen3": write_qwen3, "qwen3_moe": write_qwen3_moe, "mixtral": write_mixtral, "gemma3_text": write_gemma3,
-           "mistral": write_mistral, "qwen2": write_qwen2}
+           "mistral": write_mistral, "qwen2": write_qwen2, "deepseek_v3": write_deepseek_v3}
 
 
 @pytest.fixture(scope="module", params=list(WRITERS))

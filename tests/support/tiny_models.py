@@ -142,6 +142,44 @@ def write_gemma3(path: Path, seed: int = 0, **overrides):
     return hf
 
 
+def deepseek_v3_config(**overrides):
+    """A 3-layer DeepSeek-V3: latent attention (kv_lora_rank 32, a rotated part of 16, q through a
+    rank-48 pair unless q_lora_rank=None), YaRN on an original context of 128, the first layer dense
+    and then 8 routed experts in 4 groups (top 2 of 2 groups) with a shared one."""
+    from transformers import DeepseekV3Config
+
+    fields = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                  routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24,
+                  qk_nope_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 128, "mscale": 0.707, "mscale_all_dim": 1.0})
+    return DeepseekV3Config(**{**fields, **overrides})
+
+
+def write_deepseek_v3(path: Path, seed: int = 0, vocab_size: int = 320, **overrides):
+    """A DeepSeek-V3 (`deepseek_v3_config`) in `path`, its norms, routers and correction biases
+    moved off their initial values; returns HF's model (float32, eval)."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    hf = DeepseekV3ForCausalLM(deepseek_v3_config(vocab_size=vocab_size, **overrides)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.5, generator=generator)
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "gate"):  # steers the choice, not the weights
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(8, generator=generator) * 0.4 - 0.2)
+    hf.save_pretrained(path)
+    return hf
+
+
 # Each family's chat template, in the shape its checkpoints ship it (the turn markers are plain text
 # to the SmolLM2 tokenizer the tiny models use)
 CHAT_TEMPLATES = {
@@ -182,7 +220,8 @@ def forward_logits(module, ids):
 
     c, n, page, device = module.config, len(ids), 16, ids.device
     pages = list(range(1, -(-n // page) + 1))  # page 0 unused, as in the engine
-    cache = PagedKVCache(c.num_layers, len(pages) + 1, page, c.num_kv_heads, c.head_dim, torch.float32, device)
+    cache = PagedKVCache(c.num_layers, len(pages) + 1, page, c.kv_heads, c.kv_dim, torch.float32, device,
+                         value_dim=c.kv_value_dim)
     attn = TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
     attn.prepare(AttentionBatch([n], [n], [pages], 1, torch.tensor(flat_slots(pages, 0, n, page), device=device)))
     with torch.inference_mode():
