@@ -340,6 +340,8 @@ def _add_bench_pd(bench_sub: argparse._SubParsersAction) -> None:
     bpd.add_argument("--system-len", type=int, default=320, help="with --shared-prefix: tokens per system prompt")
     bpd.add_argument("--question-len", type=int, default=24, help="with --shared-prefix: tokens per question")
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
+    bpd.add_argument("--compare-kv", metavar="MODEL", help="instead: the KV bytes moved per request and held per token "
+                     "with --model and with MODEL, disaggregated")
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)
 

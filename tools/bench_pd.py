@@ -8,6 +8,11 @@ per part, then a summary.
 
 `--shared-prefix` swaps the workload for `tandem bench cache-routing`'s: a few long system
 prompts, each shared by several users, the case decode-side prefix reuse is for.
+
+`--compare-kv MODEL` instead runs the workload disaggregated (every prompt page moving) with
+`--model` and then with MODEL, and reports what each moves per request and holds per token: a
+latent-attention checkpoint beside a multi-head one of the same width
+(`python -m tandem.tools.checkpoints`).
 """
 
 from __future__ import annotations
@@ -80,11 +85,73 @@ def transfer_vs_memcpy(nbytes: int, repeats: int = 20) -> dict:
             "memcpy_gb_s": round(size / memcpy_s / 1e9, 2), "mooncake_over_memcpy": round(memcpy_s / mooncake_s, 3)}
 
 
+def compare_kv(args, engine_args: list[str], work) -> int:
+    """The workload disaggregated, no decode-side reuse, for --model and for --compare-kv: the KV
+    bytes each moves per request (the prefill's counter) and holds per token (GetServerInfo)."""
+    from tandem.tools.stack import LocalStack, metric_value
+
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-pd-"))
+    results = []
+    for model in (args.model, args.compare_kv):
+        flags = [*_without_model(engine_args), "--model", model, "--disable-decode-prefix-reuse"]
+        log_dir = logs / f"compare-kv-{len(results)}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with LocalStack(log_dir, tuple(flags)) as stack:
+            prefill, _ = stack.start_servers(["prefill", "decode"])
+            stack.wait()
+            base = stack.start_router().url
+            run_one, _ = openai_runner(base.removeprefix("http://"), stack.model_name, _tokenizer(model))
+            served = drive(run_one, work, args.concurrency)
+            sent = metric_value(prefill.metrics_text(), "tandem_kv_transfer_bytes_total")
+            result = {"bench": "pd", "mode": "compare_kv", "model": model,
+                      "kv_bytes_per_token": int(_server_args(prefill.target)["kv_bytes_per_token"]),
+                      "kv_bytes_per_request": int(sent / len(work)), "output_tokens_per_s": served["output_tokens_per_s"]}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    print(json.dumps({"bench": "pd", "mode": "summary",
+                      "kv_bytes_per_request_model_over_compare": round(
+                          results[0]["kv_bytes_per_request"] / results[1]["kv_bytes_per_request"], 4)}))
+    return 0
+
+
+def _without_model(flags: list[str]) -> list[str]:
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag == "--model":
+            skip = True
+        elif not flag.startswith("--model="):
+            out.append(flag)
+    return out
+
+
+def _tokenizer(model: str):
+    from tandem.server.model.loader import resolve_model
+    from tandem.server.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(model))
+
+
+def _server_args(target: str) -> dict:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from smg_grpc_proto import sglang_scheduler_pb2 as pb
+    from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        info = pb_grpc.SglangSchedulerStub(channel).GetServerInfo(pb.GetServerInfoRequest())
+    return MessageToDict(info.server_args)
+
+
 def run(args, engine_args: list[str]) -> int:
     from tandem.server.model.loader import resolve_model
     from tandem.tools.stack import LocalStack, metric_value
     from tandem.server.model.tokenizer import load_tokenizer
 
+    if args.compare_kv:
+        work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
+        return compare_kv(args, engine_args, work)
     if args.shared_prefix:
         work = bench_cache_routing.make_workload(args.system_prompts, args.users, args.system_len, args.question_len,
                                                  args.output_len[1], args.workload_seed)

@@ -112,7 +112,8 @@ class DecodeConnector(KVConnector):
         self._reserved_tokens = 0  # KV the running requests keep for their output, as of the current poll
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_failures": 0, "bootstrap_failures": 0,
                          "kv_transfer_skipped_bytes": 0, "decode_prefix_query_tokens": 0, "decode_prefix_hit_tokens": 0}
-        self.kv_bytes_per_page = 2 * layout.num_layers * layout.page_bytes
+        # What arrives per page: a copy on each rank of a replicated (latent) pool, else each head once
+        self.kv_bytes_per_page = layout.page_bytes_all_parts * (len(self.parts) if layout.replicated else 1)
         log.info("decode KV connector: %s (instance %s), Mooncake session %s (%s)", self.me["decode"],
                  self.me["decode_instance"], self.transfer.session, config.kv_transfer_protocol)
 
@@ -256,7 +257,7 @@ class DecodeConnector(KVConnector):
         req = p.req
         del self.pending[req.rid]
         arrived = req.pages[req.cached_pages : self.memory.pages_for(req.prompt_len)]  # not the cached prefix
-        if p.peer.head_major:  # on every rank, before any forward pass reads these pages
+        if p.peer.head_major and not self.layout.replicated:  # on every rank, before any forward pass reads them
             token_major(self.buffer, arrived)
             if self.ranks is not None:
                 self.ranks.relayout(arrived)

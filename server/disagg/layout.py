@@ -30,7 +30,9 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int  # all of the model's KV heads
     head_dim: int
-    page_bytes: int  # bytes of one page of one layer's K (or V), all heads
+    page_bytes: int  # bytes of one page of one layer's K (or V, or latent), all heads
+    kv_parts: int = 2  # per layer: K and V (2), or one latent row per token (1)
+    replicated: bool = False  # every tensor-parallel rank holds every head (a latent pool)
 
     @property
     def head_bytes(self) -> int:
@@ -40,9 +42,14 @@ class KVLayout:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @property
+    def page_bytes_all_parts(self) -> int:
+        """Bytes of one page over every layer and part: what one page of a request moves per copy."""
+        return self.kv_parts * self.num_layers * self.page_bytes
+
     @classmethod
     def from_json(cls, data: dict) -> "KVLayout":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def check_compatible(self, other: "KVLayout", here: str = "here", there: str = "peer") -> None:
         """Raise LayoutMismatch naming each differing field with both values."""
@@ -74,7 +81,7 @@ class KVBuffer:
         return layout.page_size * self.num_heads * layout.head_bytes
 
     def address(self, layout: KVLayout, layer: int, kv: int, page: int) -> int:
-        return self.base + ((layer * 2 + kv) * self.num_pages + page) * self.page_bytes(layout)
+        return self.base + ((layer * layout.kv_parts + kv) * self.num_pages + page) * self.page_bytes(layout)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -86,8 +93,15 @@ class KVBuffer:
 
 def check_split(layout: KVLayout, parts: list[KVBuffer], where: str) -> None:
     """Raise LayoutMismatch unless `parts` hold every KV head of `layout` once, in order, over the
-    same pages: a pool that any other head split can exchange pages with."""
+    same pages (a replicated layout: all of them on every rank): a pool that any other head split
+    can exchange pages with."""
     heads = [(p.first_head, p.last_head) for p in parts]
+    if layout.replicated:
+        if set(heads) != {(0, layout.num_kv_heads)} or len({p.num_pages for p in parts}) != 1:
+            raise LayoutMismatch(f"the latent KV pool {where} is split into head ranges {heads} over "
+                                 f"{[p.num_pages for p in parts]} pages: every rank must hold it whole, over the "
+                                 "same pages")
+        return
     expected = 0
     for first, last in heads:
         if first != expected or last <= first:
@@ -123,7 +137,7 @@ def write_list(
     srcs, dsts, lens = [], [], []
     for s, d, n in page_runs(src_pages, dst_pages):
         for layer in range(layout.num_layers):
-            for kv in (0, 1):
+            for kv in range(layout.kv_parts):
                 srcs.append(src.address(layout, layer, kv, s))
                 dsts.append(dst.address(layout, layer, kv, d))
                 lens.append(n * src.page_bytes(layout))
@@ -183,6 +197,9 @@ def transfer_plan(layout: KVLayout, sources: list[KVBuffer], dests: list[KVBuffe
     pair of ranks when the destination pages are consecutive."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    if layout.replicated:  # every rank holds it all: the first source rank sends, once to each destination
+        first = [Writes(dst.session, *write_list(layout, sources[0], dst, src_pages, dst_pages)) for dst in dests]
+        return [first] + [[] for _ in sources[1:]]
     if same_split(sources, dests):
         return [[Writes(dst.session, *write_list(layout, src, dst, src_pages, dst_pages))]
                 for src, dst in zip(sources, dests)]
@@ -201,7 +218,7 @@ def transfer_plan(layout: KVLayout, sources: list[KVBuffer], dests: list[KVBuffe
             dsts, lens = [], []
             for start, count in runs:
                 for layer in range(layout.num_layers):
-                    for kv in (0, 1):
+                    for kv in range(layout.kv_parts):
                         dsts.append(dst.address(layout, layer, kv, start) + (first - dst.first_head) * count * head_page)
                         lens.append((last - first) * count * head_page)
             packed = Packed(first - src.first_head, last - src.first_head, groups)

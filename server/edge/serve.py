@@ -144,6 +144,7 @@ def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, to
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "context_length": engine.context_length,
         "max_total_tokens": engine.max_total_tokens,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
         "max_running_requests": c.max_running_requests,
         "max_prefill_tokens": engine.scheduler.config.max_prefill_tokens,
         "chunked_prefill_size": c.chunked_prefill_size,

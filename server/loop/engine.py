@@ -42,7 +42,7 @@ from tandem.server.loop.cuda_graphs import capture_decode_graphs
 from tandem.server.loop.grammar import GrammarCompiler
 from tandem.server.loop.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
 from tandem.server.loop.intake import Intake, RequestStream
-from tandem.server.loop.kv_pool import kv_layout, num_kv_pages
+from tandem.server.loop.kv_pool import kv_bytes_per_token, kv_layout, num_kv_pages
 from tandem.server.loop.output_processor import OutputProcessor
 from tandem.server.loop.outputs import CompletedOutput
 from tandem.server.loop.runner import ModelRunner
@@ -129,6 +129,9 @@ class Engine:
             mc.num_layers, num_pages + scratch, config.page_size, lc.kv_heads, mc.kv_dim,
             self.model.compute_dtype, self.model.device, value_dim=mc.kv_value_dim
         )
+        log.info("KV cache: %d bytes per token%s", self.kv_bytes_per_token,
+                 "" if config.tp_size == 1 else " on each rank (a latent: whole on each)" if mc.latent else
+                 " on this rank (its share of the KV heads)")
         if self.ranks is not None:
             self.ranks.build(num_pages, self.fail)
         self.kv_events = KvEventPublisher(config.kv_events_replay, config.kv_events_queue)
@@ -164,6 +167,11 @@ class Engine:
     @property
     def max_total_tokens(self) -> int:
         return self.memory.total_tokens
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """This rank's KV cache per token, every layer (a latent cache: the whole latent)."""
+        return kv_bytes_per_token(self.model.module.config, self.model.compute_dtype)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> "Engine":

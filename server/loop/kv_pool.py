@@ -51,15 +51,20 @@ def free_memory_bytes(device: torch.device) -> tuple[int, str]:
 
 def kv_layout(model: LoadedModel, kv: PagedKVCache) -> KVLayout:
     """What a disaggregated peer must share with this engine to exchange KV pages: the whole
-    model's pool, whichever share of its KV heads this tensor-parallel rank holds."""
+    model's pool, whichever share of its KV heads this tensor-parallel rank holds (a latent pool:
+    all of it, on every rank)."""
     mc = model.config
     shape = f"L{mc.num_layers}-H{mc.num_heads}-KV{mc.num_kv_heads}-D{mc.head_dim}-V{mc.vocab_size}"
+    if mc.latent:
+        shape += f"-MLA{mc.kv_lora_rank}+{mc.qk_rope_head_dim}"
     return KVLayout(
         model=f"{mc.architecture}:{model.source.name}:{shape}",
         kv_dtype=str(kv.dtype).removeprefix("torch."),
         page_size=kv.page_size,
         num_layers=kv.num_layers,
-        num_kv_heads=mc.num_kv_heads,
+        num_kv_heads=mc.kv_heads,
         head_dim=kv.head_dim,
-        page_bytes=kv.page_bytes // kv.num_kv_heads * mc.num_kv_heads,
+        page_bytes=kv.page_bytes // kv.num_kv_heads * mc.kv_heads,
+        kv_parts=kv.parts,
+        replicated=mc.latent,
     )

@@ -249,7 +249,8 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
             from tandem.server.disagg.transfer import MooncakeTransfer
 
             transfer = MooncakeTransfer(spec.advertise_host, spec.kv_transfer_protocol, spec.ib_device)
-            part = KVBuffer(transfer.register(kv.buffer), num_pages, rank * c.num_kv_heads, c.num_kv_heads,
+            first = 0 if c.latent else rank * c.kv_heads  # a latent: every rank holds all of it
+            part = KVBuffer(transfer.register(kv.buffer), num_pages, first, c.kv_heads,
                             transfer.session)
         conn.send(("ready", part))
     except BaseException as e:

@@ -1,5 +1,5 @@
-"""The new families on CUDA: Gemma 3's sliding-window layers (the torch attention backend, which
-`auto` picks for them there) and a mixture of experts, whose experts run as grouped GEMMs in
+"""The new families on CUDA: Gemma 3's sliding-window layers and DeepSeek-V3's latent cache (the
+torch attention backend, which `auto` picks for them there) and a mixture of experts, whose experts run as grouped GEMMs in
 bfloat16 and one pair of matmuls per expert in float32. Float32 logits equal HF's; the bfloat16
 MoE layer is close to the float32 one."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.tiny_models import forward_logits, write_gemma3, write_qwen3_moe
+from support.tiny_models import forward_logits, write_deepseek_v3, write_gemma3, write_qwen3_moe
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import load_weights, resolve_model
 from tandem.server.model.moe import SparseMoE
@@ -16,7 +16,8 @@ from tandem.server.model.moe import SparseMoE
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("writer", [write_gemma3, write_qwen3_moe], ids=["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("writer", [write_gemma3, write_qwen3_moe, write_deepseek_v3],
+                         ids=["gemma3", "qwen3_moe", "deepseek_v3"])
 def test_float32_logits_on_cuda_equal_hfs(tmp_path, writer):
     hf = writer(tmp_path)
     config, weights = load_weights(resolve_model(str(tmp_path)))

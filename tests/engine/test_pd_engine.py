@@ -12,15 +12,13 @@ import time
 import pytest
 import torch
 
-from support.checks import assert_engine_clean, assert_matches_reference, cached_prefixes
+from support.checks import assert_matches_reference, cached_prefixes
+from support.pd import GREEDY, assert_clean, run_pair, run_pairs, wait_idle
 from support.serving import free_port
 from support.structured import REGEXES, SCHEMAS, assert_full_match, assert_valid_json, chat_prompt
 from tandem.server.config import DisaggConfig, EngineConfig
 from tandem.server.scheduling.request import Bootstrap
 from tandem.server.scheduling.sampling_params import Constraint, InvalidRequestError, SamplingParams
-
-GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
-
 
 @pytest.fixture(autouse=True)
 def collect_engines_now():
@@ -50,43 +48,6 @@ def pd(smollm_fp32):
     yield p, d, port
     for e in (p, d):
         e.shutdown()
-
-
-def assert_clean(*engines):
-    """Once both sides settle (quarantined pages wait for the prefill's word): nothing held."""
-    _wait_idle(*engines)
-    for engine in engines:
-        assert_engine_clean(engine)
-        assert engine.call(engine.connector.held) == []
-        assert not engine.call(engine.connector.has_work)
-
-
-def run_pair(p, d, port, prompt, params=GREEDY, room=None, legs=("prefill", "decode")):
-    """Submit both legs of one request; returns (prefill result, decode result)."""
-    room = random.randrange(1 << 31) if room is None else room
-    b = Bootstrap("127.0.0.1", port, room)
-    streams = {}
-    if "prefill" in legs:
-        streams["prefill"] = p.submit(prompt, params, bootstrap=b)
-    if "decode" in legs:
-        streams["decode"] = d.submit(prompt, params, bootstrap=b)
-    return {leg: s.result() for leg, s in streams.items()}
-
-
-def run_pairs(p, d, port, prompts, params: SamplingParams | list[SamplingParams] = GREEDY) -> list[dict]:
-    """`run_pair` for every prompt at once (with its own params, given a list), each from its own
-    thread; results in prompt order."""
-    results: list = [None] * len(prompts)
-
-    def one(i):
-        results[i] = run_pair(p, d, port, prompts[i], params[i] if isinstance(params, list) else params)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
 
 
 def test_pd_outputs_equal_the_reference(pd, hf_reference):
@@ -230,7 +191,7 @@ def test_decode_gets_only_the_pages_its_prefix_cache_lacks(smollm_fp32, hf_refer
         system = [rng.randrange(1000, 40000) for _ in range(200)]  # 12 whole pages and 8 tokens
         first = system + [rng.randrange(1000, 40000) for _ in range(30)]
         turn1 = run_pair(p, d, port, first)["decode"]
-        _wait_idle(p, d)  # its pages are in the decode's cache now
+        wait_idle(p, d)  # its pages are in the decode's cache now
         follow_up = first + turn1.output_ids + [rng.randrange(1000, 40000) for _ in range(20)]
         second = system + [rng.randrange(1000, 40000) for _ in range(40)]
         cached, kv_before = _cached_pages(d)
@@ -285,7 +246,7 @@ def test_decode_reuse_stays_exact_through_retraction_on_the_decode(smollm_fp32, 
         params = SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)
         prompts = [system + [rng.randrange(1000, 40000) for _ in range(20 + 7 * i)] for i in range(6)]
         run_pair(p, d, port, prompts[0], params)  # the system prompt is in the decode's cache from here on
-        _wait_idle(p, d)
+        wait_idle(p, d)
         for prompt, legs in zip(prompts, run_pairs(p, d, port, prompts, params)):
             want, gaps = hf_reference.greedy(prompt, params.max_new_tokens)
             assert_matches_reference(legs["decode"].output_ids, want, gaps, f"{len(prompt)}-token prompt")
@@ -327,7 +288,7 @@ def test_abort_on_either_leg_ends_both(pd, first):
     time.sleep(0.3)  # registered (decode) or waiting in the bootstrap queue (prefill)
     early.abort()
     assert early.result().finish_reason == "abort"
-    _wait_idle(p, d)  # an aborted decode leg tells the prefill side before it frees its pages
+    wait_idle(p, d)  # an aborted decode leg tells the prefill side before it frees its pages
     start = time.monotonic()
     late = engines["decode" if first == "prefill" else "prefill"].submit(prompt, GREEDY, bootstrap=b).result()
     assert late.finish_reason == "abort" and "aborted" in late.error
@@ -422,15 +383,6 @@ def test_layout_mismatch_is_refused_at_the_handshake(smollm_fp32):
     finally:
         p.shutdown()
         d.shutdown()
-
-
-def _wait_idle(*engines, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(not e.call(e.connector.has_work) and not e.call(e.scheduler.has_work) for e in engines):
-            return
-        time.sleep(0.05)
-    raise AssertionError("engines still busy")
 
 
 def _prefill(smollm_fp32, port):

@@ -187,6 +187,9 @@ CHAT_TEMPLATES = {
              "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}",
     "mixtral": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
                "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}",
+    "deepseek_v3": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+                   "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+                   "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
     "gemma3": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
               "else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
@@ -195,7 +198,7 @@ CHAT_TEMPLATES = {
 
 def write_tokenizer(path: Path, family: str) -> None:
     """The built-in model's tokenizer in model directory `path`, with `family`'s chat template in
-    tokenizer_config.json, where Qwen3, Mixtral and Gemma 3 checkpoints keep it."""
+    tokenizer_config.json, where Qwen3, Mixtral, Gemma 3 and DeepSeek-V3 checkpoints keep it."""
     import json
 
     from tandem.server.config import EngineConfig

@@ -141,6 +141,49 @@ def test_a_split_that_misses_or_repeats_a_head_is_refused_by_name():
         check_split(HEADS3, parts[:2] + [KVBuffer(0, 7, 2, 1)], "of decode d")
 
 
+# A latent pool (MLA): one part per layer, one latent row per token, held whole by every rank.
+LATENT = KVLayout(model="deepseek_v3:m", kv_dtype="float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=6,
+                  page_bytes=4 * 6 * 4, kv_parts=1, replicated=True)
+
+
+@pytest.mark.parametrize("src_size, dst_size", [(2, 1), (1, 2), (2, 2), (1, 1)])
+def test_a_latent_pool_moves_each_page_once_per_destination_rank_from_one_source(src_size, dst_size):
+    """Every rank holds the whole latent: the first source rank writes whole pages, one layer's
+    latent per run, to every destination rank; the others send nothing."""
+    rng = np.random.default_rng(3)
+    src = [rng.standard_normal((2, 1, 6, 4, 1, 6)).astype(np.float32)] * src_size  # the same on every rank
+    src_parts = [KVBuffer(r * 100_000, 6, 0, 1, f"s{r}") for r in range(src_size)]
+    dst = [np.zeros((2, 1, 5, 4, 1, 6), dtype=np.float32) for _ in range(dst_size)]
+    dst_parts = [KVBuffer(500_000 + r * 100_000, 5, 0, 1, f"d{r}") for r in range(dst_size)]
+    check_split(LATENT, dst_parts, "of decode d")
+    src_pages, dst_pages = [1, 2, 5], [3, 4, 0]
+    plan = transfer_plan(LATENT, src_parts, dst_parts, src_pages, dst_pages)
+    assert [len(writes) for writes in plan] == [dst_size] + [0] * (src_size - 1)
+    moved = sum(sum(w.lens) for writes in plan for w in writes)
+    assert moved == dst_size * len(src_pages) * LATENT.page_bytes_all_parts  # one copy per destination rank
+    memory = np.zeros(1_000_000, dtype=np.uint8)
+    memory[0 : src[0].nbytes] = src[0].view(np.uint8).ravel()
+    for w in plan[0]:
+        for s, d, n in zip(w.srcs, w.dsts, w.lens):
+            memory[d : d + n] = memory[s : s + n]
+    for part, array in zip(dst_parts, dst):
+        after = memory[part.base : part.base + array.nbytes].view(np.float32).reshape(array.shape)
+        assert np.array_equal(after[:, :, dst_pages], src[0][:, :, src_pages])
+
+
+def test_a_latent_pool_must_be_whole_on_every_rank():
+    with pytest.raises(LayoutMismatch, match=r"the latent KV pool of decode d .* every rank must hold it whole"):
+        check_split(LATENT, [KVBuffer(0, 4, 0, 1), KVBuffer(0, 4, 1, 1)], "of decode d")
+
+
+def test_a_latent_and_a_head_pool_are_told_apart_by_field():
+    heads = KVLayout(**{**LATENT.to_json(), "kv_parts": 2, "replicated": False})
+    with pytest.raises(LayoutMismatch, match=r"kv_parts: 1 here, 2 peer; replicated: True here, False peer"):
+        LATENT.check_compatible(heads)
+    # a peer from before these fields reads as K and V per head
+    assert KVLayout.from_json({k: v for k, v in LAYOUT.to_json().items() if k not in ("kv_parts", "replicated")}) == LAYOUT
+
+
 def test_layout_mismatch_names_every_field():
     other = KVLayout(**{**LAYOUT.to_json(), "page_size": 8, "kv_dtype": "bfloat16"})
     LAYOUT.check_compatible(KVLayout.from_json(LAYOUT.to_json()))
