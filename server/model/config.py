@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the rope_scaling types rope_inv_freq computes
@@ -11,6 +12,11 @@ HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mix
               "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
               "deepseek_v3": "DeepseekV3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(HF_CLASSES)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)

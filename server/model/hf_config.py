@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.server.model.config import ROPE_TYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.server.model.config import ROPE_TYPES, SUPPORTED_ARCHITECTURES, ModelConfig, yarn_mscale
 
 
 class ConfigError(ValueError):
@@ -56,7 +56,7 @@ def _llama_fields(cfg: dict, model_type: str) -> dict:
     hidden = _need(cfg, "hidden_size", model_type)
     # transformers 5 writes rope_theta and any scaling into one rope_parameters; older files, apart
     rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaling = cfg.get("rope_scaling") or _scaling(rope)
     return dict(
         vocab_size=_need(cfg, "vocab_size", model_type),
         hidden_size=hidden,
@@ -135,17 +135,11 @@ def _gemma3_fields(cfg: dict) -> dict:
     if sliding and not c.sliding_window:
         raise ConfigError("config.json has no 'sliding_window', which gemma3's sliding_attention layers need")
     return dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
+        **_shape_fields(c),
         num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
         rope_theta=full["rope_theta"],
-        rope_scaling=full if full.get("rope_type", "default") != "default" else None,
-        max_position_embeddings=c.max_position_embeddings,
+        rope_scaling=_scaling(full),
         tie_word_embeddings=cfg.get("tie_word_embeddings", c.tie_word_embeddings),
         attention_bias=c.attention_bias,
         qk_norm=True,
@@ -157,7 +151,6 @@ def _gemma3_fields(cfg: dict) -> dict:
         norm_offset=True,
         sandwich_norms=True,
         embed_scale=True,
-        bos_token_id=c.bos_token_id,
     )
 
 
@@ -172,24 +165,16 @@ def _deepseek_v3_fields(cfg: dict) -> dict:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq}: tandem runs DeepSeek-V3 with every layer after the "
                           "dense ones sparse")
     rope = c.rope_parameters
-    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    scaling = _scaling(rope)
     scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     if scaling and scaling.get("mscale_all_dim"):  # YaRN's correction of the attention's temperature
-        from tandem.server.model.llama import yarn_mscale
-
         scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
     return dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
+        **_shape_fields(c),
         num_kv_heads=c.num_attention_heads,  # each head's K and V come from the one shared latent
         head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
-        rms_norm_eps=c.rms_norm_eps,
         rope_theta=rope["rope_theta"],
         rope_scaling=scaling,
-        max_position_embeddings=c.max_position_embeddings,
         attention_bias=False,
         attention_scale=scale,
         num_experts=c.n_routed_experts,
@@ -208,8 +193,19 @@ def _deepseek_v3_fields(cfg: dict) -> dict:
         qk_rope_head_dim=c.qk_rope_head_dim,
         v_head_dim=c.v_head_dim,
         rope_interleave=bool(c.rope_interleave),
-        bos_token_id=c.bos_token_id,
     )
+
+
+def _shape_fields(c) -> dict:
+    """The fields every family's transformers config object gives alike."""
+    return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads, rms_norm_eps=c.rms_norm_eps,
+                max_position_embeddings=c.max_position_embeddings, bos_token_id=c.bos_token_id)
+
+
+def _scaling(rope: dict) -> dict | None:
+    """HF's rope parameters as ModelConfig.rope_scaling: None for plain RoPE."""
+    return rope if rope.get("rope_type", "default") != "default" else None
 
 
 def _eos_token_ids(directory: Path, cfg: dict) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from tandem.kernels.attention import AttentionBackend
 from tandem.kernels.block_linear import BlockWeights
 from tandem.kernels.layer_ops import add_rms_norm, apply_rope, gelu_tanh_mul, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
-from tandem.server.model.config import ROPE_TYPES, ModelConfig
+from tandem.server.model.config import ROPE_TYPES, ModelConfig, yarn_mscale
 from tandem.server.model.mla import LatentAttention
 from tandem.server.model.moe import SparseMoE
 from tandem.server.model.shard import Shard, shard_model
@@ -77,10 +77,6 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     kept = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     wavelengths = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_attention_factor(scaling: dict | None) -> float:
