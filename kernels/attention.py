@@ -63,8 +63,8 @@ def create_backend(name: str, kv_cache: PagedKVCache, num_heads: int, head_dim: 
                    windows: tuple[int, ...] = ()) -> AttentionBackend:
     """`auto` picks FlashInfer on CUDA for 16-bit caches (it has no float32 kernels) and the torch
     backend everywhere else, and for models with sliding-window layers or a latent KV cache, which
-    tandem does not plan with FlashInfer yet. `scale`: of q.k (default 1/sqrt(head_dim)); `windows`: per layer, 0 or
-    its sliding window."""
+    tandem does not plan with FlashInfer yet. `scale`: of q.k (default 1/sqrt(head_dim));
+    `windows`: per layer, 0 or its sliding window."""
     scale = head_dim**-0.5 if scale is None else scale
     if name == "auto":
         half = kv_cache.dtype in (torch.float16, torch.bfloat16)

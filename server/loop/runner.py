@@ -94,7 +94,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.peers = peers
         c = model.config
-        self.attn = create_backend(attention_backend, kv_cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
+        self.attn = create_backend(attention_backend, kv_cache, c.num_heads, c.head_dim, c.softmax_scale,
+                                   c.layer_windows)
         self.graphs: DecodeGraphs | None = None  # set by the engine once captured
         self._sampled: dict[str, int] = {}  # rid -> token the last pass sampled (for FUTURE_TOKENs)
 

@@ -239,8 +239,8 @@ class LlamaForCausalLM(nn.Module):
                                                        weights.get("rope_freqs")), persistent=False)
         self.rope_factor = rope_attention_factor(config.rope_scaling)
         local = config.sliding_layers and config.local_rope_theta
-        self.register_buffer("local_inv_freq", rope_inv_freq(config.head_dim, config.local_rope_theta) if local else None,
-                             persistent=False)
+        local_inv_freq = rope_inv_freq(config.head_dim, config.local_rope_theta) if local else None
+        self.register_buffer("local_inv_freq", local_inv_freq, persistent=False)
         self.to(device)
 
     @torch.inference_mode()

@@ -86,4 +86,5 @@ class LatentAttention(nn.Module):
     def streamed_bytes(self, rows: int) -> int:
         absorbed = (self.w_uk.numel() + self.w_uv.numel()) * self.w_uk.element_size()
         q_a = self.q_a.streamed_bytes(rows) if self.q_a is not None else 0
-        return q_a + self.q.streamed_bytes(rows) + self.kv_a.streamed_bytes(rows) + self.o.streamed_bytes(rows) + absorbed
+        projections = sum(linear.streamed_bytes(rows) for linear in (self.q, self.kv_a, self.o))
+        return q_a + projections + absorbed

@@ -6,13 +6,15 @@ dtype, softmax in float32, the top k renormalized to sum to one where the model 
 (`norm_topk_prob`), the weights cast back. DeepSeek-V3's: float32 sigmoid scores; the choice made
 on the scores plus a per-expert correction bias, within the `topk_group` groups of experts whose two
 best biased scores sum highest; the weights are the chosen experts' unbiased scores, renormalized
-and scaled by `routed_scaling_factor`; shared experts (one dense MLP) added for every token. The experts' weights are stacked ([experts, 2 * width, hidden] for gate|up, [experts, hidden,
-width] for down), and a pass sorts its (token, expert) pairs by expert, so that each expert's rows
-are contiguous: one grouped GEMM (`torch.nn.functional.grouped_mm`) then runs every expert over
-its rows, with no per-expert call and no host sync. Where torch has no grouped GEMM for the device
-and dtype (CUDA in float32 or float16, or before sm80), the same sorted rows go through one pair of
-matmuls per expert that got any (the measurements, against HF transformers: docs/performance.md,
-"Mixture of experts").
+and scaled by `routed_scaling_factor`; shared experts (one dense MLP) added for every token.
+
+The experts' weights are stacked as grouped GEMMs take them ([experts, hidden, 2 * width] for
+gate|up, [experts, width, hidden] for down), and a pass sorts its (token, expert) pairs by expert,
+so that each expert's rows are contiguous: one grouped GEMM (`torch.nn.functional.grouped_mm`) then
+runs every expert over its rows, with no per-expert call and no host sync. Where torch has no
+grouped GEMM for the device and dtype (CUDA in float32 or float16, or before sm80), the same sorted
+rows go through one pair of matmuls per expert that got any (the measurements, against HF
+transformers: docs/performance.md, "Mixture of experts").
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig, prefix: str, w: dict[str, torch.Tensor]):
         super().__init__()
-        self.top_k, self.renormalize, self.num_experts = config.experts_per_token, config.norm_topk_prob, config.num_experts
+        self.top_k, self.renormalize = config.experts_per_token, config.norm_topk_prob
+        self.num_experts = config.num_experts
         self.config = config
         self.router = nn.Parameter(w[prefix + "mlp.gate.weight"], requires_grad=False)  # [experts, hidden]
         bias = w.get(prefix + "mlp.gate.e_score_correction_bias")
