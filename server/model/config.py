@@ -118,8 +118,9 @@ class ModelConfig:
 
     def describe(self) -> str:
         """One line for the startup log: the architecture and what sets it apart."""
-        parts = [f"{self.architecture} ({self.hf_class}): {self.num_layers} layers, hidden {self.hidden_size}, "
-                 f"{self.num_heads} query / {self.num_kv_heads} KV heads of {self.head_dim}"]
+        heads = (f"{self.num_heads} heads of {self.head_dim}" if self.latent else
+                 f"{self.num_heads} query / {self.num_kv_heads} KV heads of {self.head_dim}")
+        parts = [f"{self.architecture} ({self.hf_class}): {self.num_layers} layers, hidden {self.hidden_size}, {heads}"]
         if self.num_experts:
             parts.append(f"{self.num_experts} experts, top {self.experts_per_token}, on {len(self.sparse_layers)} of "
                          f"{self.num_layers} layers")

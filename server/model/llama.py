@@ -1,7 +1,8 @@
 """Llama-family decoder over a flat batch of tokens: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 (its
-q/k norms), with routed experts (moe.py) Qwen3-MoE and Mixtral, and Gemma 3 (sliding-window layers
+q/k norms), with routed experts (moe.py) Qwen3-MoE and Mixtral, Gemma 3 (sliding-window layers
 with their own RoPE base, norms around the attention and the MLP, (1 + w) norm weights, GeLU,
-scaled embeddings: each a `ModelConfig` field).
+scaled embeddings: each a `ModelConfig` field), and with latent attention (mla.py) and DeepSeek's
+routing DeepSeek-V3.
 
 Numerics follow HF transformers' reference implementation (RMSNorm in float32, half-split RoPE
 with float32 tables), so that float32 outputs match it token for token. Projections are fused
