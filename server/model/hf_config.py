@@ -161,7 +161,7 @@ def _deepseek_v3_fields(cfg: dict) -> dict:
     from transformers import DeepseekV3Config
 
     c = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "model_type"})
-    if (c.moe_layer_freq if hasattr(c, "moe_layer_freq") else 1) != 1:
+    if getattr(c, "moe_layer_freq", 1) != 1:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq}: tandem runs DeepSeek-V3 with every layer after the "
                           "dense ones sparse")
     rope = c.rope_parameters

@@ -239,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config.rope_dim, config.rope_theta, config.rope_scaling,
                                                        weights.get("rope_freqs")), persistent=False)
         self.rope_factor = rope_attention_factor(config.rope_scaling)
+        self.sliding = frozenset(config.sliding_layers)  # layers that take the local RoPE table
         local = config.sliding_layers and config.local_rope_theta
         local_inv_freq = rope_inv_freq(config.head_dim, config.local_rope_theta) if local else None
         self.register_buffer("local_inv_freq", local_inv_freq, persistent=False)
@@ -252,10 +253,9 @@ class LlamaForCausalLM(nn.Module):
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
         rope = _cos_sin(positions, self.inv_freq, h.dtype, self.rope_factor)
         local = rope if self.local_inv_freq is None else _cos_sin(positions, self.local_inv_freq, h.dtype)
-        sliding = set(self.config.sliding_layers)
         delta = None
         for layer in self.layers:
-            h, delta = layer(h, delta, *(local if layer.index in sliding else rope), attn)
+            h, delta = layer(h, delta, *(local if layer.index in self.sliding else rope), attn)
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
 
     def streamed_bytes(self, rows: int) -> int:

@@ -98,9 +98,10 @@ class SparseMoE(nn.Module):
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         # (token, expert) pairs sorted by expert, stably: rows [ends[e - 1], ends[e]) are expert e's
-        order = experts.flatten().argsort(stable=True)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
         tokens = order // self.top_k
-        ends = torch.bincount(experts.flatten(), minlength=self.num_experts).cumsum(0).to(torch.int32)
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         rows = x[tokens]
         if self.grouped:
             h = F.grouped_mm(rows, self.gate_up, offs=ends)
