@@ -58,6 +58,14 @@ class AttentionBackend(ABC):
         A latent cache (`kv_cache.latent`, multi-head latent attention): k [T, 1, head_dim] is the
         tokens' latent rows, v is None, and the output is [T, num_heads, kv_cache.value_dim]."""
 
+    def rotate_and_attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> torch.Tensor | None:
+        """`forward` with RoPE applied first, where this backend does both in fewer launches: qk
+        [T, num_heads + num_kv_heads, head_dim] (q's heads, then k's) is rotated by cos and sin
+        ([T, 1, head_dim]) in place, its k heads and v are written into the cache, and the output
+        is `forward`'s. None where the backend cannot: the caller rotates and calls `forward`."""
+        return None
+
 
 def create_backend(name: str, kv_cache: PagedKVCache, num_heads: int, head_dim: int, scale: float | None = None,
                    windows: tuple[int, ...] = ()) -> AttentionBackend:

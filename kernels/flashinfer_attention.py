@@ -14,6 +14,7 @@ import torch
 
 from tandem.kernels.attention import AttentionBackend, AttentionBatch
 from tandem.kernels.kv_cache import PagedKVCache
+from tandem.kernels.layer_ops import cuda_kernels
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -102,6 +103,16 @@ class FlashInferAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv_cache.write(layer, self.out_slots, k, v)
         return self.wrapper.run(q, (self.kv_cache.k[layer], self.kv_cache.v[layer]))
+
+    def rotate_and_attend(self, layer: int, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> torch.Tensor | None:
+        """RoPE and the KV write in one Triton kernel (`triton_ops.rope_store_`), then attention."""
+        cache = self.kv_cache
+        kernels = cuda_kernels(qk, cos, sin, v, cache.buffer)
+        if kernels is None or not (kernels.takes_rope(qk, cos) and sin.is_contiguous() and kernels.takes_kv(v)):
+            return None
+        kernels.rope_store_(qk, cos, sin, self.num_heads, v, cache.k[layer], cache.v[layer], self.out_slots)
+        return self.wrapper.run(qk[:, : self.num_heads], (cache.k[layer], cache.v[layer]))
 
 
 class FlashInferGraphDecode(FlashInferAttention):

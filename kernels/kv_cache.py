@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from tandem.kernels.layer_ops import cuda_kernels
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
 
@@ -86,7 +88,13 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Store the new tokens' K and V (a latent cache: K alone, v None) at flat slots (page *
-        page_size + offset), in the cache's dtype (which may be narrower than the compute dtype)."""
+        page_size + offset), in the cache's dtype (which may be narrower than the compute dtype).
+        On CUDA, K and V already in the cache's 16-bit dtype go in one kernel (`triton_ops`)."""
+        if self.parts == 2 and self.device.type == "cuda":
+            kernels = cuda_kernels(self.buffer, k, v)
+            if kernels is not None and kernels.takes_kv(k) and kernels.takes_kv(v):
+                kernels.store_kv(self.k[layer], self.v[layer], slots, k, v)
+                return
         self.flat_k(layer)[slots] = k.to(self.dtype)
         if self.parts == 2:
             self.flat_v(layer)[slots] = v.to(self.dtype)

@@ -6,17 +6,49 @@ tandem's kernels, float32 and bfloat16 tensors take `csrc/layer_ops.cpp` instead
 torch takes five to eight ops, which is most of their cost at a decode step's few rows. Those calls
 round as the torch code does (rotary embedding, SiLU products and residual adds bit for bit, in
 either dtype); RMSNorm sums its squares in another order, so its output may differ in the last bit.
+On CUDA, bfloat16 and float16 tensors take `triton_ops`' kernels, which round the same way (their
+exp and rsqrt may differ from torch's in the last bit too); float32 keeps torch's ops there.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
+log = logging.getLogger("tandem.kernels")
 
 _kernels_ready: list[bool] = []  # filled on first use: building them at import would slow every import
+_triton_ops: list = []  # the module, or None where Triton does not import; filled on first CUDA use
+_fused_on_cuda = [True]  # `use_fused_cuda_ops(False)`: torch's ops on CUDA too (a baseline to measure against)
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def use_fused_cuda_ops(enabled: bool) -> None:
+    """Whether CUDA tensors take the Triton kernels (the default) or torch's ops. Kernels already
+    captured in a CUDA graph keep what they were captured with."""
+    _fused_on_cuda[0] = enabled
+
+
+def cuda_kernels(x: torch.Tensor, *others: torch.Tensor):
+    """`triton_ops` where it takes x (a CUDA tensor in bfloat16 or float16; `others` of its dtype),
+    else None."""
+    if x.device.type != "cuda" or x.dtype not in _FUSED_DTYPES or not _fused_on_cuda[0]:
+        return None
+    for other in others:
+        if other.dtype != x.dtype:
+            return None
+    if not _triton_ops:
+        try:
+            from tandem.kernels import triton_ops
+        except ImportError as e:
+            log.warning("Triton does not import (%s): the layers' small steps run as torch ops on CUDA", e)
+            triton_ops = None
+        _triton_ops.append(triton_ops)
+    return _triton_ops[0]
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,6 +70,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, n]."""
     if _native(x, weight) and x.shape[-1] % 8 == 0:
         return torch.ops.tandem.rms_norm(x, weight, eps)
+    fused = cuda_kernels(x, weight)
+    if fused is not None and fused.takes_rows(x):
+        return fused.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -47,6 +82,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """(h + delta, rms_norm(h + delta)); h may be updated in place."""
     if _native(h, delta, weight) and h.shape[-1] % 8 == 0:
         return h, torch.ops.tandem.add_rms_norm_(h, delta, weight, eps)
+    fused = cuda_kernels(h, delta, weight)
+    if fused is not None and fused.takes_rows(h) and fused.takes_rows(delta):
+        return h, fused.rms_norm(h, weight, eps, delta)
     h = h + delta
     return h, rms_norm(h, weight, eps)
 
@@ -56,6 +94,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if _native(x, cos, sin) and x.stride(1) == x.shape[2] and x.stride(2) == 1 and x.shape[2] % 16 == 0 and cos.is_contiguous():
         torch.ops.tandem.rope_(x, cos, sin)
         return x
+    fused = cuda_kernels(x, cos, sin)
+    if fused is not None and fused.takes_rope(x, cos) and sin.is_contiguous():
+        return fused.apply_rope_(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -65,6 +106,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2F] = [gate | up] -> silu(gate) * up."""
     if _native(gate_up) and gate_up.stride(-1) == 1 and gate_up.shape[-1] % 16 == 0:
         return torch.ops.tandem.silu_mul(gate_up)
+    fused = cuda_kernels(gate_up)
+    if fused is not None and fused.takes_rows(gate_up):
+        return fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -166,13 +166,21 @@ class DecoderLayer(nn.Module):
         c = self.config
         if self.mla is not None:
             return self.mla(self.index, x, cos, sin, attn)
-        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:  # per head, over its head_dim
             q = rms_norm(q.reshape(-1, c.head_dim), self.q_norm, c.rms_norm_eps)
             k = rms_norm(k.reshape(-1, c.head_dim), self.k_norm, c.rms_norm_eps)
-        q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        o = attn.forward(self.index, q, k, v.view(-1, c.num_kv_heads, c.head_dim))
+            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            o = attn.forward(self.index, q, k, v)
+        else:  # q's heads and k's lie side by side in each row: one rotation (in place where a kernel takes it)
+            qk = qkv[:, : c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+            o = attn.rotate_and_attend(self.index, qk, v, cos, sin)
+            if o is None:
+                q, k = apply_rope(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
+                o = attn.forward(self.index, q, k, v)
         return self.o(o.reshape(-1, c.q_size))
 
     def streamed_bytes(self, rows: int) -> int:
