@@ -427,6 +427,8 @@ def _add_bench_gpu(bench_sub: argparse._SubParsersAction) -> None:
     bgpu.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens in the prefill pass")
     bgpu.add_argument("--layers", type=int, help="fewer layers than the shape has (a quicker smoke run)")
     bgpu.add_argument("--no-graphs", action="store_true", help="eager decode only")
+    bgpu.add_argument("--profile", action="store_true",
+                      help="also profile one graphed step at the smallest batch: kernels run, GPU busy time, the longest")
     bgpu.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (eager, torch attention: a smoke test)")
     bgpu.add_argument("--json-out", help="also write the figures as JSON to this file")
     bgpu.set_defaults(func=cmd_bench_gpu)

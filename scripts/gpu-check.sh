@@ -14,9 +14,11 @@
 #                              FlashInfer's own prebuilt modules, so no compile is paid twice
 #
 # Stages, each bounded so that the whole run ends within GPU_CHECK_SECONDS (default 450): the
-# CUDA-graph tests, `tandem bench gpu`, the serving tests (colocated 8B-shaped server under load;
-# prefill + decode pair), FlashInfer against the torch backend (which compiles float16 kernels too). At the end the
-# kernels FlashInfer compiled go to $OUT/jit.tar.xz.* for the next run's .gpu/jit/.
+# Triton-kernel and CUDA-graph tests, `tandem bench gpu --profile`, the serving tests (colocated
+# 8B-shaped server under load; prefill + decode pair), the new families on CUDA, FlashInfer against
+# the torch backend (which compiles float16 kernels too). At the end the kernels FlashInfer compiled
+# go to $OUT/jit.tar.xz.* for the next run's .gpu/jit/. GPU_CHECK_STAGES (names, e.g. "bench graphs")
+# runs only those stages.
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,6 +39,10 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 stage() {
     local name=$1 limit=$2
     shift 2
+    if [[ " ${GPU_CHECK_STAGES:-$name} " != *" $name "* ]]; then
+        log "SKIP $name: not in GPU_CHECK_STAGES"
+        return
+    fi
     local avail=$(( $(left) - 25 ))
     (( limit > avail )) && limit=$avail
     if (( limit < 20 )); then
@@ -50,7 +56,7 @@ stage() {
     if (( rc != 0 )); then
         tail -n 40 "$OUT/$name.log"
     fi
-    grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^\| |^goal|^device" "$OUT/$name.log" | tail -n 40
+    grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^\| |^goal|^device|^profile|^ +[0-9.]+ ms " "$OUT/$name.log" | tail -n 60
 }
 
 log "machine: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
@@ -94,9 +100,11 @@ EOF
 # -- checks ---------------------------------------------------------------------------------------
 PYTEST=(python3 -m pytest -p no:cacheprovider -v -rfE)
 mkdir -p /tmp/tandem-pytest  # each stage's --basetemp below it (pytest makes only the last folder)
-stage graphs 100 "${PYTEST[@]}" --timeout=85 --basetemp=/tmp/tandem-pytest/graphs tests/engine/test_cuda_graphs_gpu.py
-stage bench 200 python3 -m tandem.cli.main bench gpu --shapes llama3.2-1b llama3-8b --json-out "$OUT/bench.json"
+stage graphs 120 "${PYTEST[@]}" --timeout=85 --basetemp=/tmp/tandem-pytest/graphs tests/engine/test_triton_ops_gpu.py \
+    tests/engine/test_cuda_graphs_gpu.py
+stage bench 200 python3 -m tandem.cli.main bench gpu --shapes llama3-8b llama3.2-1b --profile --json-out "$OUT/bench.json"
 stage serving 240 "${PYTEST[@]}" --timeout=200 --basetemp=/tmp/tandem-pytest/serving tests/e2e/test_cuda_serving_gpu.py -s
+stage families 60 "${PYTEST[@]}" --timeout=50 --basetemp=/tmp/tandem-pytest/families tests/engine/test_new_architectures_gpu.py
 stage flashinfer 150 "${PYTEST[@]}" --basetemp=/tmp/tandem-pytest/flashinfer tests/engine/test_flashinfer_gpu.py
 
 # -- what the next run reuses ---------------------------------------------------------------------
@@ -111,7 +119,7 @@ if [ -n "$(ls /tmp/aot)" ]; then
     log "compiled kernels saved: $(ls /tmp/aot | tr '\n' ' ')($(du -ch "$OUT"/jit.tar.xz.* | tail -n 1 | cut -f1))"
 fi
 mkdir -p /tmp/stage-logs
-mv "$OUT"/{bench,graphs,serving,flashinfer}.log /tmp/stage-logs/ 2>/dev/null
+mv "$OUT"/{bench,graphs,serving,families,flashinfer}.log /tmp/stage-logs/ 2>/dev/null
 find /tmp/tandem-pytest -name '*.log' -exec cp --backup=numbered {} /tmp/stage-logs/ \; 2>/dev/null
 tar -cJf "$OUT/logs.tar.xz" -C /tmp/stage-logs .
 log "done"

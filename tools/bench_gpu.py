@@ -8,7 +8,11 @@ drawn on the device with a fixed seed and loaded through the serving model code
 - **decode**: one step of `rows` sequences of `--context` cached tokens each, eager (FlashInfer's
   decode plan and every kernel launched from Python) and replaying CUDA graphs (`DecodeGraphs`,
   captured for exactly these batch sizes). A step is what the engine's runner does: plan, forward
-  pass, logits, greedy tokens to the host. The median of `--steps` steps.
+  pass, logits, greedy tokens to the host. The median of `--steps` steps. The graphs are captured
+  twice, with the layers' small steps as Triton kernels (`kernels.triton_ops`, what the server
+  runs) and as torch's ops (the baseline they replaced), and both are timed in the same run.
+- **profile** (`--profile`): one graphed batch-1 step of each form under torch's profiler: how
+  many kernels ran, how long the GPU was busy with them, and which took longest.
 - **floor**: the fastest a decode step can be: the bytes it must read (every projection's weights
   once, `LlamaForCausalLM.streamed_bytes`, plus each sequence's K and V) over the memory's rate as
   a device-to-device copy measured it here (bytes read plus bytes written per second: what the
@@ -31,6 +35,7 @@ import time
 
 import torch
 
+from tandem.kernels import layer_ops
 from tandem.kernels.attention import create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.server.loop.cuda_graphs import DecodeGraphs
@@ -122,35 +127,56 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     num_pages = max(rows_max * per_seq, prompts * -(-args.prefill_len // PAGE_SIZE)) + 1  # + the graphs' scratch page
     cache = PagedKVCache(c.num_layers, num_pages, PAGE_SIZE, c.kv_heads, c.kv_dim, dtype, device, value_dim=c.kv_value_dim)
     attn = create_backend("auto", cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
-    graphs, capture_s = None, None
+    graphs, torch_ops_graphs, capture_s = None, None, None
     if device.type == "cuda" and not args.no_graphs:
         graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
         capture_s = graphs.capture()
+        layer_ops.use_fused_cuda_ops(False)
+        try:
+            torch_ops_graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
+            torch_ops_graphs.capture()
+        finally:
+            layer_ops.use_fused_cuda_ops(True)
     wbytes = model.streamed_bytes(1)
     kv_token = PagedKVCache.bytes_per_token(c.num_layers, c.kv_heads, c.kv_dim, dtype, cache.parts)
     pages = random.Random(0).sample(range(num_pages - 1), num_pages - 1)
 
     @torch.inference_mode()
-    def step(inputs: ForwardInputs, graphed: bool) -> list[int]:
-        if graphed:
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.kv_lens, inputs.page_tables)
+    def step(inputs: ForwardInputs, replay: DecodeGraphs | None) -> list[int]:
+        if replay is not None:
+            hidden = replay.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.kv_lens, inputs.page_tables)
         else:
             hidden = forward_pass(model, attn, inputs, device)
         return model.logits(hidden).argmax(-1).tolist()
 
     for rows in args.rows:
         inputs = decode_inputs(rows, args.context, pages)
-        eager = _median_seconds(lambda: step(inputs, False), args.steps, 3, device)
-        graphed = _median_seconds(lambda: step(inputs, True), args.steps, 3, device) if graphs else None
+        eager = _median_seconds(lambda: step(inputs, None), args.steps, 3, device)
+        graphed = _median_seconds(lambda: step(inputs, graphs), args.steps, 3, device) if graphs else None
+        torch_ops = _median_seconds(lambda: step(inputs, torch_ops_graphs), args.steps, 3, device) if graphs else None
+        # the host's part of a graphed step (inputs copied in, attention planned), during which the GPU waits
+        host = _median_seconds(lambda: graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.kv_lens,
+                                                   inputs.page_tables), args.steps, 3, device) if graphs else None
         read = wbytes + rows * (args.context + 1) * kv_token
         floor = read / copy_bw if copy_bw else None  # the memory's rate, as a copy drives it (reads and writes)
         results.append(dict(
             shape=name, kind="decode", rows=rows, context=args.context, eager_ms=eager * 1e3,
-            graph_ms=graphed * 1e3 if graphed else None, floor_ms=floor * 1e3 if floor else None,
+            graph_ms=graphed * 1e3 if graphed else None, torch_ops_graph_ms=torch_ops * 1e3 if torch_ops else None,
+            torch_ops_over_fused=torch_ops / graphed if graphed else None, host_ms=host * 1e3 if host else None,
+            floor_ms=floor * 1e3 if floor else None,
             graph_over_floor=graphed / floor if graphed and floor else None,
             eager_over_graph=eager / graphed if graphed else None, bytes_read=read,
             capture_s=capture_s))
         print(json.dumps(results[-1]), flush=True)
+        if args.profile and graphs and rows == min(args.rows):
+            for form, replay in (("Triton", graphs), ("torch ops", torch_ops_graphs)):
+                try:
+                    profiled = profile_step(lambda: step(inputs, replay), device)
+                except Exception as e:  # the profiler is a diagnosis: the figures above stand without it
+                    print(f"profile of {name} with {form} failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                results.append(dict(shape=name, kind="profile", rows=rows, form=form, **profiled))
+                print(json.dumps(results[-1]), flush=True)
     with torch.inference_mode():
         inputs = prefill_inputs(prompts, args.prefill_len, pages)
         seconds = _median_seconds(lambda: forward_pass(model, attn, inputs, device), max(3, args.steps // 5), 1, device)
@@ -160,10 +186,33 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
                         tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12,
                         of_peak=flops / seconds / peak if peak else None))
     print(json.dumps(results[-1]), flush=True)
-    del model, cache, attn, graphs
+    del model, cache, attn, graphs, torch_ops_graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def profile_step(fn, device: torch.device, top: int = 8) -> dict:
+    """One call of `fn` (after two unprofiled ones) under torch's profiler: the GPU kernels it ran,
+    their summed time against the call's wall time, and the `top` kernels by summed time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - start
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            kernels.setdefault(event.name[:90], []).append(event.device_time_total)
+    busy_us = sum(sum(times) for times in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:top]
+    return dict(wall_ms=wall * 1e3, kernels=sum(len(t) for t in kernels.values()), kernel_ms=busy_us / 1e3,
+                top=[dict(name=k, calls=len(t), ms=sum(t) / 1e3) for k, t in ranked])
 
 
 def _fmt(value, spec: str) -> str:
@@ -174,13 +223,20 @@ def report(header: dict, results: list[dict]) -> str:
     lines = [f"device: {header['device']}; torch {header['torch']}; copy bandwidth "
              f"{_fmt(header['copy_tb_s'], '.2f')} TB/s (read + written); bf16 matmul peak "
              f"{_fmt(header['matmul_tflops'], '.0f')} TFLOP/s", "",
-             "| shape | batch | context | eager ms | graphs ms | HBM floor ms | graphs / floor | eager / graphs |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | batch | context | eager ms | graphs ms | HBM floor ms | graphs / floor | eager / graphs "
+             "| graphs, torch ops ms | torch ops / Triton | host's part ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["kind"] == "decode":
             lines.append(f"| {r['shape']} | {r['rows']} | {r['context']} | {r['eager_ms']:.2f} | {_fmt(r['graph_ms'], '.2f')} | "
                          f"{_fmt(r['floor_ms'], '.2f')} | {_fmt(r['graph_over_floor'], '.2f')} | "
-                         f"{_fmt(r['eager_over_graph'], '.2f')} |")
+                         f"{_fmt(r['eager_over_graph'], '.2f')} | {_fmt(r['torch_ops_graph_ms'], '.2f')} | "
+                         f"{_fmt(r['torch_ops_over_fused'], '.2f')} | {_fmt(r['host_ms'], '.2f')} |")
+    for r in results:
+        if r["kind"] == "profile":
+            lines += ["", f"profile, {r['shape']} batch {r['rows']}, graphs with {r['form']}: {r['kernels']} kernels, "
+                          f"{r['kernel_ms']:.2f} ms of kernel time in a {r['wall_ms']:.2f} ms step"]
+            lines += [f"  {k['ms']:7.3f} ms {k['calls']:5d}x {k['name']}" for k in r["top"]]
     lines += ["", "| shape | prefill tokens | prompt length | ms | tokens/s | TFLOP/s | of the matmul peak |",
               "|---|---|---|---|---|---|---|"]
     for r in results:

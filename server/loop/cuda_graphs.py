@@ -162,14 +162,21 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
+    @torch.inference_mode()  # plan() writes into buffers made under inference mode
+    def load(self, input_ids: list[int], positions: list[int], slots: list[int], kv_lens: list[int],
+             page_tables: list[list[int]]) -> int:
+        """The host's part of a decode step of len(input_ids) sequences: its inputs written into
+        the static buffer and its attention planned for the graph that holds it; that graph's size."""
+        bs = self.bucket(len(input_ids))
+        self._write(input_ids, positions, slots)
+        self.graphs[bs][1].prepare(self._batch(self.graphs[bs][1], kv_lens, page_tables))
+        return bs
+
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], kv_lens: list[int],
             page_tables: list[list[int]]) -> torch.Tensor:
         """One decode step of len(input_ids) sequences -> their final hidden states [n, hidden]
         (a view into the graph's output, valid until the next replay)."""
-        n = len(input_ids)
-        graph, attn, out = self.graphs[self.bucket(n)]
-        self._write(input_ids, positions, slots)
-        attn.prepare(self._batch(attn, kv_lens, page_tables))
+        graph, _, out = self.graphs[self.load(input_ids, positions, slots, kv_lens, page_tables)]
         graph.replay()
         self.replays += 1
-        return out[:n]
+        return out[: len(input_ids)]
