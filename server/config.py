@@ -142,6 +142,11 @@ class DisaggConfig:
         5.0, "decode: seconds between liveness checks of each prefill it is registered with (offline after two "
         "missed in a row); prefill: how long a leaving server waits for its decode peers to hear it"
     )
+    bootstrap_token_file: str | None = opt(
+        None, "file of bootstrap tokens, one per line (e.g. a mounted Secret): a prefill accepts a bootstrap "
+        "call only with one of them, a decode presents the first; without it the bootstrap service accepts "
+        "any caller"
+    )
 
     def validate(self) -> None:
         checks = [
@@ -155,6 +160,22 @@ class DisaggConfig:
         for name, ok, limit in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is invalid: must be {limit}")
+        self.bootstrap_tokens()
+
+    def bootstrap_tokens(self) -> list[str]:
+        """The tokens in --bootstrap-token-file, first the one a decode presents ([] without the flag).
+        Several lines let a token be rotated without a refused call: prefills accept old and new
+        while decodes move to the new one."""
+        if self.bootstrap_token_file is None:
+            return []
+        try:
+            with open(self.bootstrap_token_file) as f:
+                tokens = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise ValueError(f"--bootstrap-token-file={self.bootstrap_token_file!r} cannot be read: {e.strerror}") from None
+        if not tokens:
+            raise ValueError(f"--bootstrap-token-file={self.bootstrap_token_file!r} holds no token: must have one per line")
+        return tokens
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,14 @@ alive (`POST /v1/heartbeat`) and says goodbye when it shuts down (`POST /v1/peer
 `GET /v1/peers` lists the decodes registered now. KV itself never passes through here: prefill writes it with Mooncake one-sided
 writes.
 
+Authentication: a prefill started with `--bootstrap-token-file` answers only calls that carry one
+of the file's tokens (`Authorization: Bearer <token>`, compared in constant time); any other call
+gets 401 with reason `missing_token` or `wrong_token`, is counted
+(`tandem_bootstrap_refused_total{reason}`), and reaches no room, page or peer. `/health` stays
+open: it tells nothing but that the service is up. A decode presents its file's first token on
+every call; a prefill without a token file ignores it (a rolling upgrade that adds tokens works in
+either order once every side has the file).
+
 Identity: both processes get an instance id on each start. Every answer of this service carries
 the prefill's (`instance`), so a decode sees at once that the process behind an address was
 replaced. Errors carry the table's refusal `reason` (rooms.py) with their HTTP status: 404
@@ -19,7 +27,9 @@ replaced. Errors carry the table's refusal `reason` (rooms.py) with their HTTP s
 
 from __future__ import annotations
 
+import hmac
 import http.client
+import ipaddress
 import json
 import logging
 import threading
@@ -37,11 +47,66 @@ log = logging.getLogger("tandem.bootstrap")
 FEATURES = ["skip_pages"]  # rooms may register destinations for the prompt's later pages only
 
 
+REFUSALS = ("missing_token", "wrong_token")  # why an unauthenticated call was refused (a metric label)
+DISCARD_LIMIT = 1 << 20  # a refused call's body up to this size is read (and dropped) before the answer
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on `host` keeps a service to this machine (a loopback address or name)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def authorization(token: str | None) -> dict[str, str]:
+    """The header a bootstrap call carries with `token` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 class _Handler(BaseHTTPRequestHandler):
     table: RoomTable  # set on the per-server subclass
+    tokens: tuple[bytes, ...] = ()  # accepted bearer tokens; empty: anyone may call
 
     def log_message(self, fmt, *args):  # route http.server's access log to logging, quietly
         log.debug(fmt, *args)
+
+    def _refusal(self) -> str | None:
+        """Why this call may not proceed (a REFUSALS entry), or None. Every accepted token is
+        compared, each in constant time, so the time taken tells nothing of how close a guess was."""
+        if not self.tokens or self.path == "/health":
+            return None
+        scheme, _, presented = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented:
+            return "missing_token"
+        matches = [hmac.compare_digest(presented.strip().encode(), token) for token in self.tokens]
+        return None if any(matches) else "wrong_token"
+
+    def _authorized(self) -> bool:
+        reason = self._refusal()
+        if reason is None:
+            return True
+        refused = self.table.count_refusal(reason)
+        length = int(self.headers.get("Content-Length") or 0)
+        if 0 < length <= DISCARD_LIMIT:  # read, never parsed: a reset before our answer would hide the 401
+            self.rfile.read(length)
+        if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood of refusals cannot flood the log
+            log.warning("bootstrap call %s %s from %s refused: %s (%d so far)", self.command, self.path,
+                        self.client_address[0], reason, refused)
+        what = "carried no bootstrap token" if reason == "missing_token" else "carried a bootstrap token this prefill does not accept"
+        data = json.dumps({"error": f"the call {what}: this prefill requires one (--bootstrap-token-file)",
+                           "reason": reason}).encode()
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", "Bearer")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+        return False
 
     def _reply(self, code: int, body: dict) -> None:
         data = json.dumps({**body, "instance": self.table.instance}).encode()
@@ -52,6 +117,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
+        if not self._authorized():
+            return
         if self.path == "/v1/layout":
             self._reply(200, {"layout": self.table.layout.to_json(), "session": self.table.session,
                               "kv_heads": self.table.kv_heads, "features": FEATURES})
@@ -63,6 +130,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, {"error": f"no such path {self.path}"})
 
     def do_POST(self):
+        if not self._authorized():  # before the body is parsed: a refused caller's bytes never are
+            return
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if self.path == "/v1/peers":
@@ -99,8 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
 class BootstrapService:
     """The HTTP server around a RoomTable, on its own daemon threads."""
 
-    def __init__(self, table: RoomTable, host: str, port: int):
-        handler = type("BootstrapHandler", (_Handler,), {"table": table})
+    def __init__(self, table: RoomTable, host: str, port: int, tokens: list[str] = ()):
+        """`tokens`: the bearer tokens a call must carry one of (none: every call is answered)."""
+        handler = type("BootstrapHandler", (_Handler,), {"table": table, "tokens": tuple(t.encode() for t in tokens)})
         try:
             self.httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
@@ -131,21 +201,23 @@ class BootstrapError(RuntimeError):
     @property
     def conflict(self) -> bool:
         """The two sides can never work together (KV layouts differ, or a wrong room)."""
-        return self.reason in ("layout", "conflict")
+        return self.reason in ("layout", "conflict", *REFUSALS)
 
 
 class BootstrapClient:
     """The decode side's calls to one prefill's bootstrap service. Every answer is a dict with
     the prefill's `instance`."""
 
-    def __init__(self, host: str, port: int, timeout: float = 5.0):
+    def __init__(self, host: str, port: int, timeout: float = 5.0, token: str | None = None):
+        """`token`: presented on every call (--bootstrap-token-file's first line)."""
         self.address = f"{host}:{port}"
         self.base = f"http://{host}:{port}"
         self.timeout = timeout
+        self.headers = {"Content-Type": "application/json", **authorization(token)}
 
     def _call(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data, {"Content-Type": "application/json"})
+        req = urllib.request.Request(self.base + path, data, self.headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
                 return json.load(r)

@@ -46,12 +46,14 @@ class PeerLinks:
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-bootstrap-client")
         self.book = PeerBook()  # the current registration per address
         self.counters = {"peer_handshakes": 0, "peer_rehandshakes": 0, "peers_offline": 0}
+        tokens = config.bootstrap_tokens()
+        self.token = tokens[0] if tokens else None  # presented on every call to a prefill
 
     def for_room(self, address: tuple[str, int]) -> PeerLink:
         """The registration a new room at a bootstrap address goes through, handshaking if there is none."""
         peer = self.book.for_new_room(address, time.monotonic())
         if peer is None:
-            client = BootstrapClient(*address)
+            client = BootstrapClient(*address, token=self.token)
             peer = PeerLink(address, self.config.peer_heartbeat_interval, self.config.peer_timeout, client=client,
                             handshake=self.pool.submit(self._handshake, client))
             self.book.add(peer)

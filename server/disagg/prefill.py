@@ -30,7 +30,7 @@ import torch
 
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig
-from tandem.server.disagg.bootstrap import BootstrapService
+from tandem.server.disagg.bootstrap import BootstrapService, is_loopback
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
 from tandem.server.disagg.layout import KVLayout, Writes, prompt_digest, transfer_plan
 from tandem.server.disagg.rooms import RoomState, RoomTable
@@ -68,7 +68,12 @@ class PrefillConnector(KVConnector):
         self.records = RecordBuffer(memory.slots.num_slots)  # staging: one record per request slot
         self.transfer.register(self.records.tensor)
         self.table = RoomTable(layout, self.transfer.session, wake, [(p.first_head, p.num_heads) for p in self.parts])
-        self.service = BootstrapService(self.table, listen_host, config.bootstrap_port)
+        tokens = config.bootstrap_tokens()
+        self.service = BootstrapService(self.table, listen_host, config.bootstrap_port, tokens)
+        if not tokens and not is_loopback(listen_host):
+            log.warning("the bootstrap service on %s:%d accepts any caller: whoever reaches it can register as a "
+                        "decode and be sent prompts' KV; give both roles --bootstrap-token-file", listen_host,
+                        config.bootstrap_port)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-send")
         self.waiting_for_peer: dict[str, tuple[Request, float]] = {}  # the bootstrap queue: rid -> (req, deadline)
         self.scheduled: dict[str, Request] = {}  # handed to the scheduler, not yet ended
@@ -209,7 +214,7 @@ class PrefillConnector(KVConnector):
 
     def stats(self) -> dict[str, int]:
         return {"bootstrap_queue": len(self.waiting_for_peer), "inflight_queue": len(self.inflight), **self.counters,
-                **self.table.counters}
+                **self.table.counters, "bootstrap_refused": self.table.refusals()}
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)  # the last write ends before the address goes quiet

@@ -128,10 +128,23 @@ class RoomTable:
         self._rooms: dict[int, Room] = {}
         self._peers: dict[str, DecodePeer] = {}  # by name: one instance per decode address
         self.counters = {"peer_handshakes": 0, "peer_rehandshakes": 0}
+        self._refused: dict[str, int] = {}  # bootstrap calls refused before reaching the table, by reason
         self._leaving_since: float | None = None
         self._unnotified: set[str] = set()  # decode names not yet told that this prefill is leaving
 
     # -- decode side (HTTP threads) ---------------------------------------------------------------
+    def count_refusal(self, reason: str) -> int:
+        """A bootstrap call refused before it reached the table (no token, a wrong one); the calls
+        refused for that reason so far."""
+        with self._lock:
+            self._refused[reason] = self._refused.get(reason, 0) + 1
+            return self._refused[reason]
+
+    def refusals(self) -> tuple[tuple[str, int], ...]:
+        """(reason, calls) for every refusal so far, by reason."""
+        with self._lock:
+            return tuple(sorted(self._refused.items()))
+
     def add_peer(self, body: dict) -> DecodePeer:
         """A decode's handshake. A new instance at a known name replaces its predecessor, whose
         unfinished rooms fail: the process that registered them is gone."""

@@ -1,6 +1,7 @@
 """Prometheus metrics. This module owns every prometheus_client object of the server.
 
-Names: `tandem_` prefix, unit suffix, `_total` on counters; labels `role` and `model` only.
+Names: `tandem_` prefix, unit suffix, `_total` on counters; labels `role` and `model`, and on a
+counter by kind (`LABELLED_COUNTERS`) one label more, every known value exported from the start.
 Gauges and counters are read from the engine's latest EngineSnapshot at scrape time; histograms
 are fed by the engine's StatsObserver callbacks.
 """
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tandem.server.disagg.bootstrap import REFUSALS
 from tandem.server.loop.stats import EngineSnapshot, StatsObserver
 
 # From 1 ms (a GPU decode step) to two minutes (a long CPU request under load).
@@ -70,6 +72,13 @@ COUNTERS = {
 }
 
 
+# name -> (help, snapshot field: (value, count) pairs, the extra label, its known values)
+LABELLED_COUNTERS = {
+    "tandem_bootstrap_refused": ("Bootstrap calls a prefill refused unauthenticated (no bootstrap token, a wrong one)",
+                                 "bootstrap_refused", "reason", REFUSALS),
+}
+
+
 class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot], labels: list[str]):
         self.snapshot, self.labels = snapshot, labels
@@ -83,6 +92,12 @@ class _SnapshotCollector(Collector):
         for name, (text, field) in COUNTERS.items():
             family = CounterMetricFamily(name, text, labels=LABELS)
             family.add_metric(self.labels, getattr(snap, field))
+            yield family
+        for name, (text, field, label, known) in LABELLED_COUNTERS.items():
+            family = CounterMetricFamily(name, text, labels=(*LABELS, label))
+            counts = {value: 0 for value in known} | dict(getattr(snap, field))
+            for value, count in counts.items():
+                family.add_metric([*self.labels, value], count)
             yield family
 
 
@@ -131,7 +146,7 @@ class Metrics(StatsObserver):
 
 def exported_metric_names() -> set[str]:
     """Every metric family name this module exports (dashboards and tests check against it)."""
-    names = set(GAUGES) | {f"{n}_total" for n in COUNTERS}
+    names = set(GAUGES) | {f"{n}_total" for n in (*COUNTERS, *LABELLED_COUNTERS)}
     for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "queue_time", "kv_transfer_latency"):
         names |= {f"tandem_{h}_seconds_{s}" for s in ("bucket", "sum", "count")}
     return names

@@ -41,6 +41,7 @@ class EngineSnapshot:
     peer_handshakes: int = 0  # decode: handshakes made with prefill processes; prefill: decode peers registered
     peer_rehandshakes: int = 0  # of those, with a new process at an address that had another (a restart)
     peers_offline: int = 0  # decode: prefill peers marked offline (missed heartbeats, unreachable)
+    bootstrap_refused: tuple[tuple[str, int], ...] = ()  # prefill: (reason, calls) refused unauthenticated
     # structured output
     grammar_compiles: int = 0  # constraints compiled (cache misses)
     grammar_cache_hits: int = 0  # constraints found compiled already (by their text)

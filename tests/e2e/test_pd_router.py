@@ -10,6 +10,8 @@ import random
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -24,12 +26,16 @@ NEW_TOKENS = 12
 ENGINE = ("--max-total-tokens", "16384", "--bootstrap-timeout", "20", "--peer-timeout", "2")
 
 
+TOKEN = "pd-router-test-token"
 ROUTER_ARGS = ("--prefill-policy", "round_robin", "--decode-policy", "round_robin", "--disable-retries")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = PDStack(tmp_path_factory.mktemp("pd"), ENGINE, ROUTER_ARGS)
+    """Every server with a bootstrap token file: the pairs authenticate every bootstrap call."""
+    logs = tmp_path_factory.mktemp("pd")
+    (logs / "bootstrap-tokens").write_text(f"{TOKEN}\n")
+    stack = PDStack(logs, (*ENGINE, "--bootstrap-token-file", str(logs / "bootstrap-tokens")), ROUTER_ARGS)
     yield stack
     stack.close()
 
@@ -118,6 +124,49 @@ def test_decode_leg_with_an_unreachable_prefill_fails_fast(stack):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "unreachable" in err.value.details()
     assert time.monotonic() - start < 10
     assert_all_freed(stack.decodes[:1])
+
+
+def bootstrap_call(prefill, path: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{prefill.bootstrap_port}{path}", data, headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_a_rogue_decode_is_refused_while_the_pairs_keep_serving(stack):
+    """A "decode" without the token, or with a wrong one, gets 401 from a prefill's bootstrap
+    service on every call (its layout, a peer registration, a room), counted by reason, while
+    requests go through both pairs; afterwards the prefill knows only the real decodes, and nothing
+    is held anywhere."""
+    prefill = stack.prefills[0]
+    refused = lambda: {r: metric_value(prefill.metrics_text(), "tandem_bootstrap_refused_total", reason=r)  # noqa: E731
+                       for r in ("missing_token", "wrong_token")}
+    before = refused()
+    prompts = prompts_with(random.Random(21), [300 + 20 * i for i in range(6)])
+    results = []
+    sender = threading.Thread(target=lambda: results.extend(generate_all(stack.two_by_two, prompts)))
+    sender.start()
+    rogue = {"decode": "rogue:1", "decode_instance": "r1", "session": "127.0.0.1:1", "layout": {}, "kv_parts": [],
+             "record_base": 0}
+    room = {"decode": "rogue:1", "decode_instance": "r1", "room": 99, "request_id": "stolen", "prompt_len": 300,
+            "digest": 0, "pages": list(range(20)), "record_slot": 0}
+    for path, body, token in [("/v1/layout", None, None), ("/v1/peers", rogue, None), ("/v1/peers", rogue, "not-it"),
+                              ("/v1/rooms", room, "not-it")]:
+        code, answer = bootstrap_call(prefill, path, body, token)
+        assert code == 401 and answer["reason"] == ("missing_token" if token is None else "wrong_token"), (path, answer)
+    sender.join(300)
+    assert [status for status, _ in results] == [200] * len(prompts)
+    assert all(len(output_ids(body)) == NEW_TOKENS for _, body in results)
+    after = refused()
+    assert {r: after[r] - before[r] for r in after} == {"missing_token": 2, "wrong_token": 2}
+    code, answer = bootstrap_call(prefill, "/v1/peers", token=TOKEN)
+    assert code == 200 and "rogue:1" not in {p["decode"] for p in answer["peers"]} and len(answer["peers"]) <= 2
+    assert bootstrap_call(prefill, "/v1/status", {"rooms": [99]}, TOKEN)[1]["rooms"]["99"]["state"] == "unknown"
+    assert_all_freed(stack.servers)
 
 
 def test_prefill_killed_mid_flight(stack):
