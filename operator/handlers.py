@@ -9,6 +9,7 @@ and of the InferenceService's status.
 from __future__ import annotations
 
 import datetime
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -120,6 +121,15 @@ def reconcile(body, **_) -> None:
             _reconcile(kube, owner)
 
 
+def _ensure_bootstrap_secret(kube: Kube, owner: dict, inst: render.Instance) -> None:
+    """Create the pools' bootstrap-token Secret with a fresh random token if it is missing; never
+    write it otherwise (see `render.render_bootstrap_secret`). Its owner reference lets the garbage
+    collector remove it with the InferenceService."""
+    if not kube.exists("v1", "Secret", inst.namespace, inst.bootstrap_secret):
+        if kube.create(render.render_bootstrap_secret(inst, secrets.token_urlsafe(32))):
+            kopf.info(owner, reason="Created", message=f"Secret/{inst.bootstrap_secret}: the pools' bootstrap token")
+
+
 def _reconcile(kube: Kube, owner: dict) -> None:
     started = time.monotonic()
     try:
@@ -127,6 +137,7 @@ def _reconcile(kube: Kube, owner: dict) -> None:
     except SpecError as e:
         _fail(kube, owner, f"{e}. Fix the spec; nothing was applied.")
 
+    _ensure_bootstrap_secret(kube, owner, inst)
     monitor_kinds = _monitor_kinds(kube)
     wants_monitor = inst.spec.monitoring.service_monitor or inst.spec.monitoring.pod_monitor
     objects = render.render_all(inst, monitoring_available=bool(monitor_kinds))
@@ -283,6 +294,7 @@ def cleanup(body, **_) -> None:
     for api_version, kind in CHILD_KINDS + _monitor_kinds(kube):
         for live in _owned(kube, meta["namespace"], meta["uid"], api_version, kind):
             kube.delete(api_version, kind, meta["namespace"], live["metadata"]["name"])
+    kube.delete("v1", "Secret", meta["namespace"], f"{meta['name']}-bootstrap-token")  # render.Instance.bootstrap_secret
 
 
 @kopf.on.startup()

@@ -26,6 +26,7 @@ PLURALS = {
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
 }
@@ -37,8 +38,13 @@ def collection_path(api_version: str, plural: str, namespace: str) -> str:
     return f"{prefix}/namespaces/{quote(namespace)}/{plural}"
 
 
+# Kinds the operator creates once and never applies again (not in PLURALS: no drift correction, no pruning).
+CREATED_ONCE = {("v1", "Secret"): "secrets"}
+
+
 def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
-    return f"{collection_path(api_version, PLURALS[api_version, kind], namespace)}/{quote(name)}"
+    plural = PLURALS.get((api_version, kind)) or CREATED_ONCE[api_version, kind]
+    return f"{collection_path(api_version, plural, namespace)}/{quote(name)}"
 
 
 def is_subset(desired, live) -> bool:
@@ -138,6 +144,22 @@ class Kube:
             return "created"
         same = (applied or {}).get("metadata", {}).get("resourceVersion") == live["metadata"].get("resourceVersion")
         return "unchanged" if same else "patched"
+
+    def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Whether the object exists (its body is not kept: it may be a Secret)."""
+        return self._get_or_none(object_path(api_version, kind, namespace, name)) is not None
+
+    def create(self, obj: dict) -> bool:
+        """Create `obj` of a CREATED_ONCE kind; False if it exists already (another writer was first)."""
+        meta, key = obj["metadata"], (obj["apiVersion"], obj["kind"])
+        try:
+            self.request("POST", collection_path(obj["apiVersion"], CREATED_ONCE[key], meta["namespace"]), obj,
+                         query={"fieldManager": FIELD_MANAGER})
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            return False
+        return True
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete one object; False if it was already gone."""

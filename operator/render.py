@@ -10,9 +10,12 @@ For an InferenceService `NAME` in namespace `NS` the operator owns:
     Service      NAME-router-metrics            the router's /metrics, in-cluster only
     PodDisruptionBudget NAME-prefill, NAME-decode, NAME-router (each unless disabled)
     ServiceMonitor or PodMonitor NAME           when spec.monitoring asks for one
+    NetworkPolicy NAME-prefill, NAME-decode, NAME-router (ingress only; unless spec.networkPolicy is off)
+    Secret       NAME-bootstrap-token           the pools' bootstrap token, made once (`render_bootstrap_secret`)
 
 Every object carries the instance's labels and a controller owner reference to the
-InferenceService, so a real cluster's garbage collector removes them with it.
+InferenceService, so a real cluster's garbage collector removes them with it. Each
+NetworkPolicy opens a component's ports to exactly who uses them (`render_network_policy`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import json
 from dataclasses import dataclass, field
 
 from tandem.operator.schema import to_wire
-from tandem.operator.spec import GROUP, KIND, POOLS, VERSION, InferenceServiceSpec, PoolSpec, Toleration, gpu_count
+from tandem.operator.spec import (GROUP, KIND, NAMESPACE_NAME_LABEL, POOLS, VERSION, InferenceServiceSpec, NetworkPeer,
+                                  PoolSpec, Toleration, gpu_count)
 
 GRPC_PORT = 30000
 METRICS_PORT = 30001
@@ -30,6 +34,8 @@ ROUTER_HEALTH_PORT = 8081
 ROUTER_METRICS_PORT = 29000
 SERVER_UID = 10001
 
+BOOTSTRAP_TOKEN_DIR = "/etc/tandem/bootstrap"  # the bootstrap-token Secret's mount in server pods
+BOOTSTRAP_TOKEN_KEY = "tokens"  # one token per line: `tandem serve --bootstrap-token-file`
 WORKERS_FILE = "workers.json"
 WORKERS_DIR = "/etc/tandem/router"
 MODEL_DIR = "/models"
@@ -43,6 +49,10 @@ class Defaults:
 
     router_image: str = "ghcr.io/tandem-serving/tandem-router:0.1.0"
     cluster_domain: str = "cluster.local"
+    # Where the operator's own pods run (label app.kubernetes.io/component=operator): the servers'
+    # NetworkPolicies admit them to the metrics port, which the autoscaler reads. None when unknown
+    # (an operator outside the cluster reaches no pod IP through a policy anyway).
+    operator_namespace: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,11 @@ class Instance:
     @property
     def workers_configmap(self) -> str:
         return f"{self.name}-router-workers"
+
+    @property
+    def bootstrap_secret(self) -> str:
+        """The Secret of the token every bootstrap call between the pools carries."""
+        return f"{self.name}-bootstrap-token"
 
     def pod_host(self, pool: str, ordinal: int) -> str:
         """Stable DNS name of a pool's pod (the headless Service publishes it even while not ready)."""
@@ -182,7 +197,8 @@ def server_args(inst: Instance, pool: str) -> list[str]:
             "--device", "cuda" if gpu_count(p.resources) else "cpu",
             "--advertise-host", "$(POD_IP)", "--kv-transfer-protocol", kv.protocol,
             "--bootstrap-timeout", str(kv.bootstrap_timeout_seconds),
-            "--drain-grace-seconds", str(drain_seconds(p)), "--tp-size", str(p.tensor_parallel_size)]
+            "--drain-grace-seconds", str(drain_seconds(p)), "--tp-size", str(p.tensor_parallel_size),
+            "--bootstrap-token-file", f"{BOOTSTRAP_TOKEN_DIR}/{BOOTSTRAP_TOKEN_KEY}"]
     if pool == "prefill":
         args += ["--bootstrap-port", str(kv.bootstrap_port)]
     if kv.ib_devices:
@@ -200,7 +216,8 @@ def _server_container(inst: Instance, pool: str) -> dict:
            {"name": "HOME", "value": CACHE_DIR}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
            {"name": "HF_HUB_OFFLINE", "value": "1"}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": CACHE_DIR},
-              {"name": "tmp", "mountPath": "/tmp"}]
+              {"name": "tmp", "mountPath": "/tmp"},
+              {"name": "bootstrap-token", "mountPath": BOOTSTRAP_TOKEN_DIR, "readOnly": True}]
     if spec.model.source in ("pvc", "huggingface"):
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     if spec.model.source == "huggingface":
@@ -240,7 +257,9 @@ def shm_size(pool: PoolSpec) -> str:
 def _server_volumes(inst: Instance, pool: str) -> list[dict]:
     model = inst.spec.model
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(inst.pool(pool))}},
-               {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+               {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
+               # readable by the server's group (the pod's fsGroup) alone
+               {"name": "bootstrap-token", "secret": {"secretName": inst.bootstrap_secret, "defaultMode": 0o440}}]
     if model.source in ("pvc", "huggingface"):
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model.claim_name, "readOnly": True}})
     return volumes
@@ -445,13 +464,124 @@ def render_monitor(inst: Instance) -> dict | None:
             "spec": {"selector": selector, "podMetricsEndpoints": [endpoint]}}
 
 
+# --------------------------------------------------------------------------------------------- network policies
+
+# The label the chart puts on the operator's pods (and on no InferenceService pod).
+OPERATOR_POD_LABELS = {"app.kubernetes.io/component": "operator"}
+
+
+def _peer(peer: NetworkPeer) -> dict:
+    """A spec peer as a NetworkPolicy peer. No namespaceSelector means the policy's own namespace;
+    an empty one means every namespace."""
+    if peer.cidr is not None:
+        return {"ipBlock": {"cidr": peer.cidr}}
+    out = {}
+    if peer.namespace_labels is not None:
+        out["namespaceSelector"] = {"matchLabels": dict(peer.namespace_labels)} if peer.namespace_labels else {}
+    out["podSelector"] = {"matchLabels": dict(peer.pod_labels)} if peer.pod_labels else {}
+    return out
+
+
+def _pods_of(inst: Instance, component: str) -> dict:
+    """This InferenceService's pods of one component (a peer without namespaceSelector: its own namespace)."""
+    return {"podSelector": {"matchLabels": selector_labels(inst, component)}}
+
+
+def _operator_peers(inst: Instance) -> list[dict]:
+    namespace = inst.defaults.operator_namespace
+    if namespace is None:
+        return []
+    return [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}},
+             "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}]
+
+
+def _tcp(*ports: int) -> list[dict]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def _ingress(ports: list[dict], peers: list[dict] | None) -> list[dict]:
+    """One ingress rule admitting `peers` to `ports`, as a list of zero or one rule. `peers` None
+    admits every source (a rule without `from`); an empty list admits nobody, so no rule is
+    rendered: a rule with an empty `from` would admit every source too."""
+    if peers is None:
+        return [{"ports": ports}]
+    return [{"from": peers, "ports": ports}] if peers else []
+
+
+def router_peers(inst: Instance) -> list[dict] | None:
+    """Who may call the router: spec.networkPolicy.routerFrom; by default every pod of the
+    namespace behind a ClusterIP Service, and every source behind a NodePort or LoadBalancer (the
+    clients of those come from outside the cluster, often through a node's address)."""
+    router_from = inst.spec.network_policy.router_from
+    if router_from is not None:
+        return [_peer(p) for p in router_from]
+    return [{"podSelector": {}}] if inst.spec.router.service.type == "ClusterIP" else None
+
+
+def render_network_policy(inst: Instance, component: str) -> dict | None:
+    """Ingress of one component's pods; every port not named here is closed to every source.
+
+    - servers' gRPC (GRPC_PORT): this service's router pods;
+    - between this service's prefill and decode pods, every TCP port, both ways: the bootstrap
+      port (decode -> prefill) and Mooncake's transfer engine, whose RPC and data ports are
+      chosen at random when it starts (P2P handshake), so no fixed port can be named. RDMA
+      traffic does not pass through the kernel's IP stack, which is where policies apply;
+    - servers' and router's metrics: spec.networkPolicy.metricsFrom, and the servers' also the
+      operator's pods (the autoscaler scrapes each server unless it reads Prometheus);
+    - router's HTTP and health ports: `router_peers`.
+
+    Assumed: the kubelet's probes (gRPC, TCP and HTTP on these ports) pass, because traffic from
+    a pod's own node is always admitted, as the Kubernetes documentation states and Calico and
+    Cilium do; under a plugin that does not, routerFrom and metricsFrom need the nodes' CIDRs.
+    Egress is not restricted (policyTypes: [Ingress]), so these pods may still open connections
+    anywhere: restricting it would have to open DNS, Mooncake's unfixed ports to the other pool
+    and the router's calls to every server again, and is left to the cluster's own policies."""
+    net = inst.spec.network_policy
+    if not net.enabled:
+        return None
+    metrics = [_peer(p) for p in net.metrics_from]
+    if component == "router":
+        name = inst.router_name
+        rules = (_ingress(_tcp(ROUTER_HTTP_PORT, ROUTER_HEALTH_PORT), router_peers(inst))
+                 + _ingress(_tcp(ROUTER_METRICS_PORT), metrics))
+    else:
+        name = inst.pool_name(component)
+        other = "decode" if component == "prefill" else "prefill"
+        rules = (_ingress(_tcp(GRPC_PORT), [_pods_of(inst, "router")])
+                 # Every TCP port (a port entry without `port`): Mooncake's ports are not fixed.
+                 + _ingress([{"protocol": "TCP"}], [_pods_of(inst, other)])
+                 + _ingress(_tcp(METRICS_PORT), metrics + _operator_peers(inst)))
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(inst, name, component),
+        "spec": {"podSelector": {"matchLabels": selector_labels(inst, component)}, "policyTypes": ["Ingress"],
+                 "ingress": rules},
+    }
+
+
+# --------------------------------------------------------------------------------------------- bootstrap token
+
+
+def render_bootstrap_secret(inst: Instance, token: str | None) -> dict:
+    """The Secret both pools mount for their bootstrap calls (`--bootstrap-token-file`). Not in
+    `render_all`: the operator creates it once, with a fresh random `token`, and never writes it
+    again, so that a reconcile does not change the token under running pods (an edit of the Secret,
+    e.g. a second line to rotate, is left alone). `token` None renders a placeholder for review."""
+    value = token if token is not None else "<random, made by the operator when it creates this Secret>"
+    meta = _metadata(inst, inst.bootstrap_secret, "bootstrap")
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
+            "stringData": {BOOTSTRAP_TOKEN_KEY: value + "\n"}}
+
+
 # --------------------------------------------------------------------------------------------- all
 
 
 def render_all(inst: Instance, *, monitoring_available: bool = True) -> list[dict]:
     """Every object the instance should own, in apply order: the router's worker list first (a
-    pool that shrinks leaves the router's view before its pods go), then the pools, the router.
-    The monitor is left out when the cluster has no monitoring CRDs."""
+    pool that shrinks leaves the router's view before its pods go), then the pools, the router,
+    and the NetworkPolicies (their place does not matter: they admit pods by label, whenever the
+    pods come). The monitor is left out when the cluster has no monitoring CRDs."""
     objects = [render_workers_configmap(inst)]
     for pool in POOLS:
         objects += [render_headless_service(inst, pool), render_statefulset(inst, pool)]
@@ -459,4 +589,5 @@ def render_all(inst: Instance, *, monitoring_available: bool = True) -> list[dic
     objects += [pdb for c in (*POOLS, "router") if (pdb := render_pdb(inst, c))]
     if monitoring_available and (monitor := render_monitor(inst)):
         objects.append(monitor)
+    objects += [policy for c in (*POOLS, "router") if (policy := render_network_policy(inst, c))]
     return objects

@@ -7,6 +7,7 @@ checks a schema cannot express (min <= replicas <= max, a model source's require
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ DECODE_POLICIES = ("power_of_two", "cache_aware", "round_robin", "random", "leas
 PREFILL_POLICIES = (*DECODE_POLICIES, "bucket")
 # Service names (DNS-1035): a letter first, no dots.
 SERVICE_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# The label Kubernetes (1.21+) puts on every namespace, holding its name: a namespace by name in a selector.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+MONITORING_NAMESPACE = "monitoring"
+CIDR = r"^[0-9a-fA-F.:]+/[0-9]{1,3}$"
 
 
 # --------------------------------------------------------------------------------------------- spec
@@ -250,6 +255,37 @@ class MonitoringSpec:
 
 
 @dataclass(frozen=True)
+class NetworkPeer:
+    """Who may connect, as a NetworkPolicy peer: the pods carrying `podLabels` in the namespaces
+    carrying `namespaceLabels`, or the addresses in `cidr`."""
+
+    namespace_labels: dict[str, str] | None = api_field(
+        None, "Labels of the namespaces the pods run in, e.g. {kubernetes.io/metadata.name: monitoring}. Left "
+        "out: the InferenceService's own namespace; {}: every namespace.")
+    pod_labels: dict[str, str] = api_field({}, "Labels the pods carry; {}: every pod of those namespaces.")
+    cidr: str | None = api_field(None, "Instead of pods: an IP range, e.g. 10.0.0.0/8 (0.0.0.0/0: every IPv4 "
+                                 "address); leave namespaceLabels and podLabels out.", pattern=CIDR)
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    """NetworkPolicies that admit to each pod only the traffic the service needs (ingress only;
+    egress is not restricted). They take effect where the cluster's network plugin enforces
+    NetworkPolicy (Calico, Cilium, ...)."""
+
+    enabled: bool = api_field(True, "Create the NetworkPolicies. Turn off where the network plugin does not "
+                              "enforce them, or to write your own.")
+    router_from: list[NetworkPeer] | None = api_field(
+        None, "Who may call the router's HTTP API (and its health port); [] admits nobody. Left out: every "
+        "pod of the InferenceService's namespace for a ClusterIP Service, every source for a NodePort or "
+        "LoadBalancer Service (which exists to be reached from outside the cluster).")
+    metrics_from: list[NetworkPeer] = api_field(
+        [NetworkPeer(namespace_labels={NAMESPACE_NAME_LABEL: MONITORING_NAMESPACE})],
+        "Who may scrape the servers' and the router's /metrics (the operator's own pods always may read the "
+        "servers'); [] admits nobody else. Default: every pod of the namespace named monitoring.")
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     """A model served by a prefill pool, a decode pool and a router."""
 
@@ -263,6 +299,7 @@ class InferenceServiceSpec:
     kv_transfer: KVTransferSpec = api_field(KVTransferSpec(), "KV cache transfer between the pools.")
     autoscaling: AutoscalingSpec = api_field(AutoscalingSpec(), "Pool autoscaling.")
     monitoring: MonitoringSpec = api_field(MonitoringSpec(), "Prometheus Operator monitors.")
+    network_policy: NetworkPolicySpec = api_field(NetworkPolicySpec(), "NetworkPolicies around the pods.")
 
 
 # --------------------------------------------------------------------------------------------- status
@@ -380,6 +417,10 @@ def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
     mon = parsed.monitoring
     if mon.service_monitor and mon.pod_monitor:
         raise SpecError("spec.monitoring", "enable serviceMonitor or podMonitor, not both (each would scrape every pod)")
+    net = parsed.network_policy
+    for field, peers in (("routerFrom", net.router_from or []), ("metricsFrom", net.metrics_from)):
+        for i, peer in enumerate(peers):
+            _check_peer(f"spec.networkPolicy.{field}[{i}]", peer)
     return parsed
 
 
@@ -433,6 +474,19 @@ def _check_tolerations(where: str, tolerations: list[Toleration]) -> None:
             raise SpecError(f"{where}[{i}].key", "required when operator is Equal (use Exists to match every taint)")
         if t.toleration_seconds is not None and t.effect != "NoExecute":
             raise SpecError(f"{where}[{i}].tolerationSeconds", "applies only to effect NoExecute")
+
+
+def _check_peer(where: str, peer: NetworkPeer) -> None:
+    """A peer is pods or an IP range, never both (a NetworkPolicy peer with an ipBlock takes no selector)."""
+    if peer.cidr is None:
+        return
+    if peer.namespace_labels is not None or peer.pod_labels:
+        raise SpecError(f"{where}.cidr", "an IP range stands alone: leave namespaceLabels and podLabels out")
+    try:
+        ipaddress.ip_network(peer.cidr)
+    except ValueError as e:
+        raise SpecError(f"{where}.cidr", f"{peer.cidr!r} is not a network address with its prefix length "
+                        f"({e})") from None
 
 
 def gpu_count(resources: Resources) -> int:

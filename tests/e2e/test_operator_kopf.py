@@ -21,7 +21,9 @@ EXPECTED = {("statefulsets", "smollm2-prefill"), ("statefulsets", "smollm2-decod
             ("services", "smollm2-router-metrics"),
             ("configmaps", "smollm2-router-workers"), ("deployments", "smollm2-router"),
             ("poddisruptionbudgets", "smollm2-prefill"), ("poddisruptionbudgets", "smollm2-decode"),
-            ("poddisruptionbudgets", "smollm2-router")}
+            ("poddisruptionbudgets", "smollm2-router"),
+            ("networkpolicies", "smollm2-prefill"), ("networkpolicies", "smollm2-decode"),
+            ("networkpolicies", "smollm2-router"), ("secrets", "smollm2-bootstrap-token")}
 
 
 @pytest.mark.asyncio

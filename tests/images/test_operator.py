@@ -73,12 +73,14 @@ async def test_the_charts_operator_reconciles_an_inference_service(docker, image
             assert resp.status == 200, await resp.text()
             uid = emulator.objects[ISVC, NS, "smollm2"]["metadata"]["uid"]
             operator_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-            defaults = render.Defaults(router_image=operator_args[operator_args.index("--router-image") + 1])
+            flag = {name: operator_args[operator_args.index(name) + 1]
+                    for name in ("--router-image", "--operator-namespace")}
+            defaults = render.Defaults(router_image=flag["--router-image"],
+                                       operator_namespace=flag["--operator-namespace"])
             inst = render.Instance(name="smollm2", namespace=NS, uid=uid, spec=parse_spec("smollm2", body["spec"]),
                                    defaults=defaults)
             desired = {(o["kind"], o["metadata"]["name"]): o for o in render.render_all(inst, monitoring_available=False)}
-            plural = {"StatefulSet": "statefulsets", "Deployment": "deployments", "Service": "services",
-                      "ConfigMap": "configmaps", "PodDisruptionBudget": "poddisruptionbudgets"}
+            plural = {kind: name for (_, kind), name in kube.PLURALS.items()}
 
             def reconciled():
                 owned = owned_by(emulator, uid)

@@ -97,6 +97,8 @@ def stack(images, kubelet, tmp_path_factory) -> Stack:
     reference = local_reference(inst, tmp_path_factory.mktemp("local"))
     objects = {(o["kind"], o["metadata"]["name"]): o for o in render.render_all(inst)}
     kubelet.configmaps = {name: o["data"] for (kind, name), o in objects.items() if kind == "ConfigMap"}
+    # what the operator creates once per InferenceService: the pools' bootstrap token
+    kubelet.secrets = {inst.bootstrap_secret: render.render_bootstrap_secret(inst, "pods-test-token")["stringData"]}
     domain = inst.defaults.cluster_domain
     pods = {}
     for pool in POOLS:

@@ -1,7 +1,7 @@
 """The Helm chart charts/tandem, rendered and linted with Helm's Go SDK (helm-python-sdk): every object is valid
 for Kubernetes, the operator Deployment runs the operator's real CLI, RBAC is exactly what the operator uses,
-values.schema.json rejects bad values, the chart ships the generated CRD and dashboards, and its monitors
-select what the operator renders."""
+values.schema.json rejects bad values, the chart ships the generated CRD and dashboards, its monitors
+select what the operator renders, and its NetworkPolicy lets the operator reach exactly what it calls."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from support.netpol import Endpoint, allowed
 from tandem.operator import main as operator_main
 from tandem.operator import render as operator_render
 from tandem.operator.kube import PLURALS
@@ -37,6 +38,9 @@ CUSTOM = {
         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}],
         "podAnnotations": {"example.com/team": "ml"},
         "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prometheus"}},
+        "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"team": "obs"}},
+                                           "podSelector": {"matchLabels": {"app": "prometheus"}}}],
+                          "prometheus": {"to": [], "port": 9090}},
     },
     "routerImage": {"repository": "registry.example.com/router", "tag": "9.9.9"},
     "imagePullSecrets": [{"name": "regcred"}],
@@ -60,7 +64,9 @@ NAMESPACED_GRANTS = {
     ("", "services"): WRITE,
     ("", "configmaps"): WRITE,
     ("", "pods"): {"get", "list"},
+    ("", "secrets"): {"get", "create", "delete"},  # the bootstrap-token Secret: made once, never changed or listed
     ("policy", "poddisruptionbudgets"): WRITE,
+    ("networking.k8s.io", "networkpolicies"): WRITE,
     ("monitoring.coreos.com", "servicemonitors"): WRITE,
     ("monitoring.coreos.com", "podmonitors"): WRITE,
     ("", "events"): {"create", "patch"},
@@ -143,7 +149,7 @@ def test_objects_valid_for_kubernetes(chart, value_set):
         if doc["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(doc, "1.33", strict=True)
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "ClusterRole", "ClusterRoleBinding"} <= kinds
+    assert {"Deployment", "Service", "ClusterRole", "ClusterRoleBinding", "NetworkPolicy"} <= kinds
     assert ("ServiceAccount" in kinds) == (value_set == "default")
     for kind in (*CRD_KINDS, "ConfigMap"):
         assert (kind in kinds) == (value_set == "custom"), kind
@@ -153,9 +159,9 @@ def test_names_fit_with_longest_release_name(chart):
     """With a 53-character release name every object name and label value stays within 63 characters."""
     helm.validate_release_name(LONG_RELEASE)
     docs = render(chart, CUSTOM, name=LONG_RELEASE)
-    # Deployment, Service, ServiceMonitor, ClusterRole(Binding), 2x Role(Binding), PodMonitor, PrometheusRule,
-    # and a ConfigMap per dashboard.
-    assert len(docs) == 11 + len(DASHBOARD_FILES)
+    # Deployment, Service, ServiceMonitor, NetworkPolicy, ClusterRole(Binding), 2x Role(Binding), PodMonitor,
+    # PrometheusRule, and a ConfigMap per dashboard.
+    assert len(docs) == 12 + len(DASHBOARD_FILES)
     names = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] not in ("Role", "RoleBinding")}
     assert len(names) == len(docs) - 4
     for doc in docs:
@@ -180,6 +186,7 @@ def test_operator_deployment_defaults(default_docs):
     assert cli.router_image == f"ghcr.io/tandem-serving/tandem-router:{APP_VERSION}"
     assert cli.cluster_domain == "cluster.local"
     assert cli.namespace == []  # all namespaces
+    assert cli.operator_namespace == NAMESPACE  # the InferenceServices' NetworkPolicies admit it to the metrics
     assert cli.peering is None and cli.operator_command is None
     assert (cli.liveness_port, cli.metrics_port) == (8080, 9090)
     assert {p["name"]: p["containerPort"] for p in operator["ports"]} == {"http-health": 8080, "metrics": 9090}
@@ -303,7 +310,7 @@ def test_service_monitor(custom_docs, default_docs):
 def test_rbac_can_be_left_out(chart):
     """With rbac.create false the chart renders no (Cluster)Roles or bindings; the ServiceAccount stays."""
     kinds = {d["kind"] for d in render(chart, {"rbac": {"create": False}})}
-    assert kinds == {"Deployment", "Service", "ServiceAccount"}
+    assert kinds == {"Deployment", "Service", "ServiceAccount", "NetworkPolicy"}
 
 
 def test_notes(chart):
@@ -344,6 +351,10 @@ def test_lint_clean(value_set):
     ({"dashboards": {"folders": "tandem"}}, "folders"),
     ({"replicaCount": 2}, "replicaCount"),
     ({"operator": {"replicas": 2}}, "replicas"),
+    ({"operator": {"networkPolicy": {"enabled": "yes"}}}, "/operator/networkPolicy/enabled"),
+    ({"operator": {"networkPolicy": {"metricsFrom": [{}]}}}, "/operator/networkPolicy/metricsFrom/0"),
+    ({"operator": {"networkPolicy": {"metricsFrom": [{"podSelectr": {}}]}}}, "podSelectr"),
+    ({"operator": {"networkPolicy": {"prometheus": {"port": 0}}}}, "/operator/networkPolicy/prometheus/port"),
 ])
 def test_schema_rejects_bad_values(chart, values, field):
     """values.schema.json rejects wrong types, enums, patterns, duplicates and unknown keys, naming the field."""
@@ -473,3 +484,66 @@ def test_prometheus_rule(chart, custom_docs, default_docs):
     unhealthy = alerts["TandemAutoscalerUnhealthy"]
     assert unhealthy["expr"] == "min by (namespace, service, pool) (tandem_autoscaler_healthy) == 0"
     assert (unhealthy["for"], unhealthy["labels"]["severity"]) == ("10m", "warning")
+
+
+def _operator_reach(docs: list[dict], watched: list[str]) -> dict:
+    """The operator pod, and what its NetworkPolicy (with an InferenceService's own policies, rendered
+    by an operator given the chart's --operator-namespace) admits to and from it."""
+    cli = parse_operator_cli(docs)
+    operator = Endpoint("operator", NAMESPACE, one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"])
+    namespace = watched[0] if watched else "team-z"
+    inst = inference_service(namespace)
+    inst = operator_render.Instance(name=inst.name, namespace=namespace, uid="uid", spec=inst.spec,
+                                    defaults=operator_render.Defaults(operator_namespace=cli.operator_namespace))
+    objects = operator_render.render_all(inst)
+    workloads = [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
+    pods = {o["metadata"]["labels"]["app.kubernetes.io/component"]:
+            Endpoint(o["metadata"]["name"], namespace, o["spec"]["template"]["metadata"]["labels"]) for o in workloads}
+    # Helm installs the chart's objects into the release namespace (they name none).
+    chart_policies = [{**p, "metadata": {**p["metadata"], "namespace": NAMESPACE}}
+                      for p in of_kind(docs, "NetworkPolicy")]
+    policies = chart_policies + [o for o in objects if o["kind"] == "NetworkPolicy"]
+    return {"operator": operator, "pods": pods, "policies": policies}
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_operator_network_policy(chart, value_set):
+    """The operator pod admits only its metrics and health ports, from the monitoring peers in values; it reaches
+    the API server (443, 6443 at any address), DNS, Prometheus, and the servers' metrics port in the watched
+    namespaces, where the InferenceServices' own policies admit it; nothing else."""
+    docs = render(chart, VALUE_SETS[value_set])
+    watched = CUSTOM["operator"]["watchNamespaces"] if value_set == "custom" else []
+    reach = _operator_reach(docs, watched)
+    operator, pods, policies = reach["operator"], reach["pods"], reach["policies"]
+    assert operator_render.OPERATOR_POD_LABELS.items() <= operator.labels.items()
+    labels = {"monitoring": {"kubernetes.io/metadata.name": "monitoring"},
+              "obs": {"kubernetes.io/metadata.name": "obs", "team": "obs"}}
+    scraper = (Endpoint("prometheus", "obs", {"app": "prometheus"}) if value_set == "custom"
+               else Endpoint("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"}))
+    neighbour = Endpoint("neighbour", NAMESPACE, {"app": "debug"})
+    api_server = Endpoint("apiserver", None, ip="10.96.0.1")
+    dns = Endpoint("dns", "kube-system", {"k8s-app": "kube-dns"})
+
+    def may(source, destination, port, protocol="TCP"):
+        return allowed(policies, source, destination, port, protocol, namespace_labels=labels)
+
+    cli = parse_operator_cli(docs)
+    assert (cli.metrics_port, cli.liveness_port) == (9090, 8080)
+    for port in (9090, 8080):
+        assert may(scraper, operator, port) and not may(neighbour, operator, port)
+    assert not may(scraper, operator, 9091)
+    assert may(operator, api_server, 443) and may(operator, api_server, 6443) and not may(operator, api_server, 80)
+    assert may(operator, dns, 53, "UDP") and may(operator, dns, 53, "TCP") and not may(operator, dns, 54, "UDP")
+    prometheus_peer = Endpoint("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"})
+    assert may(operator, prometheus_peer, 9090) == (value_set == "default")  # custom: prometheus.to is empty
+    for pool in operator_render.POOLS:
+        assert may(operator, pods[pool], operator_render.METRICS_PORT), pool
+        assert not may(operator, pods[pool], operator_render.GRPC_PORT), pool
+    assert not may(operator, pods["router"], operator_render.ROUTER_METRICS_PORT)
+    stranger = Endpoint("other", pods["prefill"].namespace, {"app": "debug"})
+    assert not may(operator, stranger, operator_render.METRICS_PORT)
+    if watched:
+        unwatched = Endpoint("prefill", "team-z", pods["prefill"].labels)
+        assert not may(operator, unwatched, operator_render.METRICS_PORT)
+    off = render(chart, {"operator": {"networkPolicy": {"enabled": False}}})
+    assert not of_kind(off, "NetworkPolicy")

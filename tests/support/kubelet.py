@@ -1,7 +1,8 @@
 """Rendered pods run as Docker containers, the way a kubelet runs them: each container from its image
 with exactly its rendered command, args (`$(VAR)` expanded from its env), env (fieldRef: the pod's
 name, namespace and IP), volumes (emptyDir: a fresh folder, group-owned by the pod's fsGroup, or
-tmpfs for `medium: Memory`; configMap: its files, read-only; the service account's token, CA and
+tmpfs for `medium: Memory`; configMap: its files, read-only; secret: its files, read-only, with its
+defaultMode and the pod's fsGroup as their group; the service account's token, CA and
 namespace where the pod has one), securityContext (user, group, fsGroup, runAsNonRoot against the
 image, read-only root filesystem, dropped capabilities, no privilege escalation), memory and CPU
 limits, and termination grace period; and its probes, run from the host against the pod's IP, as
@@ -43,7 +44,8 @@ PROBE_TIMING = {"initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failu
 FIELDS = {  # where in a pod -> the keys allowed there
     "env": {"name", "value", "valueFrom"}, "ports": {"name", "containerPort", "protocol"},
     "volumeMounts": {"name", "mountPath", "readOnly"}, "resources": {"requests", "limits"},
-    "volumes": {"name", "emptyDir", "configMap"}, "emptyDir": {"medium", "sizeLimit"}, "configMap": {"name"},
+    "volumes": {"name", "emptyDir", "configMap", "secret"}, "emptyDir": {"medium", "sizeLimit"}, "configMap": {"name"},
+    "secret": {"secretName", "defaultMode"},
 }
 
 
@@ -70,7 +72,7 @@ def check_fields(name: str, pod_spec: dict, container: dict) -> None:
     refuse("resources fields", set(container.get("resources", {})) - FIELDS["resources"])
     for volume in pod_spec.get("volumes", []):
         refuse("volume sources", set(volume) - FIELDS["volumes"])
-        for source in ("emptyDir", "configMap"):
+        for source in ("emptyDir", "configMap", "secret"):
             refuse(f"{source} fields", set(volume.get(source, {})) - FIELDS[source])
         if "sizeLimit" in volume.get("emptyDir", {}) and volume["emptyDir"].get("medium") != "Memory":
             raise PodFailed(f"pod {name}: a sizeLimit on a disk emptyDir ({volume['name']}) is not run here")
@@ -219,13 +221,14 @@ class Pod:
 
 @dataclass
 class Kubelet:
-    """Starts pods on `network`; `configmaps` {name: data} and `api` serve their volumes and service
-    accounts. Removes every container it started on close()."""
+    """Starts pods on `network`; `configmaps` and `secrets` ({name: {key: text}}) and `api` serve
+    their volumes and service accounts. Removes every container it started on close()."""
 
     docker: Docker
     network: Network
     workdir: Path
     configmaps: dict[str, dict[str, str]] = field(default_factory=dict)
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)
     api: APIServer | None = None
     pods: list[Pod] = field(default_factory=list)
 
@@ -348,6 +351,17 @@ class Kubelet:
                 for key, value in data.items():
                     (folder / key).write_text(value)
                     (folder / key).chmod(0o644)
+                folder.chmod(0o755)
+                read_only = True
+            elif "secret" in volume:
+                data = self.secrets.get(volume["secret"]["secretName"])
+                if data is None:
+                    raise PodFailed(f"pod {pod.name}: secret {volume['secret']['secretName']} was not given")
+                for key, value in data.items():
+                    (folder / key).write_text(value)
+                    if fs_group is not None:
+                        shutil.chown(folder / key, group=fs_group)
+                    (folder / key).chmod(volume["secret"].get("defaultMode", 0o644))
                 folder.chmod(0o755)
                 read_only = True
             elif volume.get("serviceAccount"):

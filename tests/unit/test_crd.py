@@ -142,6 +142,11 @@ INVALID = [
      "is not one of"),
     (_with("spec.prefill.engineArgs", "--max-total-tokens 4096"), "spec.prefill.engineArgs", "is not of type 'array'"),
     (_with("spec.model.huggingfaceId", "no-slash"), "spec.model.huggingfaceId", "does not match"),
+    (_with("spec.networkPolicy.enabled", "no"), "spec.networkPolicy.enabled", "is not of type 'boolean'"),
+    (_with("spec.networkPolicy.metricsFrom", [{"cidr": "monitoring"}]), "spec.networkPolicy.metricsFrom.0.cidr",
+     "does not match"),
+    (_with("spec.networkPolicy.routerFrom", [{"podLabels": {"app": 1}}]),
+     "spec.networkPolicy.routerFrom.0.podLabels.app", "is not of type 'string'"),
 ]
 
 
@@ -176,6 +181,9 @@ CROSS_FIELD = [
     (_with("spec.router.tolerations", [{"operator": "Exists", "value": "x"}]), "spec.router.tolerations[0].value"),
     (_with("spec.decode.tolerations", [{"key": "k", "value": "v", "effect": "NoSchedule", "tolerationSeconds": 5}]),
      "spec.decode.tolerations[0].tolerationSeconds"),
+    (_with("spec.networkPolicy.routerFrom", [{"cidr": "10.0.0.0/8", "podLabels": {"app": "lb"}}]),
+     "spec.networkPolicy.routerFrom[0].cidr"),
+    (_with("spec.networkPolicy.metricsFrom", [{"cidr": "10.0.0.0/40"}]), "spec.networkPolicy.metricsFrom[0].cidr"),
 ]
 
 

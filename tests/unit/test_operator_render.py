@@ -45,8 +45,9 @@ def test_every_rendered_object_validates_and_is_owned(example):
                                             "blockOwnerDeletion": True}]
         assert all(len(v) <= 63 for v in meta["labels"].values())
     kinds = sorted(o["kind"] for o in objects)
-    expected = ["ConfigMap", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget",
-                "Service", "Service", "Service", "Service", "StatefulSet", "StatefulSet"]
+    expected = ["ConfigMap", "Deployment", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget",
+                "PodDisruptionBudget", "PodDisruptionBudget", "Service", "Service", "Service", "Service", "StatefulSet",
+                "StatefulSet"]
     assert kinds == sorted(expected + (["ServiceMonitor"] if example == "full" else []))
 
 
@@ -66,9 +67,14 @@ def test_selectors_match_the_pods_they_select(example):
         other = "decode" if pool == "prefill" else "prefill"
         other_labels = objects["StatefulSet", inst.pool_name(other)]["spec"]["template"]["metadata"]["labels"]
         assert not svc["spec"]["selector"].items() <= other_labels.items(), "a pool's Service must not select the other pool"
+        policy = objects["NetworkPolicy", sts["metadata"]["name"]]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        assert not policy["spec"]["podSelector"]["matchLabels"].items() <= other_labels.items()
     router = next(o for o in objects.values() if o["kind"] == "Deployment")
     router_labels = router["spec"]["template"]["metadata"]["labels"]
     assert objects["Service", router["metadata"]["name"]]["spec"]["selector"].items() <= router_labels.items()
+    policy = objects["NetworkPolicy", router["metadata"]["name"]]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= router_labels.items()
 
 
 def test_minimal_pools_run_tandem_serve_with_probes_and_ports():
@@ -207,6 +213,8 @@ def test_disabled_parts_are_not_rendered():
     assert ("PodDisruptionBudget", "smollm2-prefill") not in kinds and ("PodDisruptionBudget", "smollm2-decode") in kinds
     monitored = instance("full")
     assert not any(o["kind"] == "ServiceMonitor" for o in render.render_all(monitored, monitoring_available=False))
+    open_network = instance("minimal", networkPolicy={"enabled": False})
+    assert not any(o["kind"] == "NetworkPolicy" for o in render.render_all(open_network))
 
 
 def test_router_picks_servers_by_cached_prefix_unless_told_otherwise():
@@ -220,3 +228,47 @@ def test_router_picks_servers_by_cached_prefix_unless_told_otherwise():
     assert policies(instance("minimal")) == ("cache_aware", "cache_aware")
     assert policies(instance("minimal", router={"prefillPolicy": "round_robin", "decodePolicy": "power_of_two"})) == (
         "round_robin", "power_of_two")
+
+
+def test_both_pools_mount_the_bootstrap_token_secret_the_operator_creates_once():
+    inst = instance("minimal")
+    objects = by_kind(render.render_all(inst))
+    for pool in ("prefill", "decode"):
+        sts = objects["StatefulSet", f"smollm2-{pool}"]
+        args = container(sts)["args"]
+        assert args[args.index("--bootstrap-token-file") + 1] == "/etc/tandem/bootstrap/tokens"
+        (volume,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "bootstrap-token"]
+        assert volume["secret"] == {"secretName": "smollm2-bootstrap-token", "defaultMode": 0o440}  # fsGroup reads it
+        (mount,) = [m for m in container(sts)["volumeMounts"] if m["name"] == "bootstrap-token"]
+        assert mount == {"name": "bootstrap-token", "mountPath": "/etc/tandem/bootstrap", "readOnly": True}
+    assert "Secret" not in {kind for kind, _ in objects}  # applied objects never carry the token
+    secret = render.render_bootstrap_secret(inst, "t0ken")
+    assert secret["stringData"] == {"tokens": "t0ken\n"} and secret["metadata"]["ownerReferences"][0]["uid"] == UID
+    kubernetes_validate.validate(secret, "1.33", strict=True)
+
+
+class FakeKube:
+    def __init__(self, existing: bool):
+        self.existing, self.created = existing, []
+
+    def exists(self, api_version, kind, namespace, name):
+        assert (api_version, kind, namespace, name) == ("v1", "Secret", "default", "smollm2-bootstrap-token")
+        return self.existing
+
+    def create(self, obj):
+        self.created.append(obj)
+        return True
+
+
+def test_the_operator_creates_the_token_once_and_never_rewrites_it(monkeypatch):
+    from tandem.operator import handlers
+
+    monkeypatch.setattr(handlers.kopf, "info", lambda *a, **k: None)
+    inst = instance("minimal")
+    fresh, kept = FakeKube(existing=False), FakeKube(existing=True)
+    handlers._ensure_bootstrap_secret(fresh, {}, inst)
+    handlers._ensure_bootstrap_secret(kept, {}, inst)
+    assert kept.created == []
+    (secret,) = fresh.created
+    token = secret["stringData"]["tokens"].strip()
+    assert len(token) >= 40 and token != render.render_bootstrap_secret(instance("minimal"), None)["stringData"]["tokens"]
