@@ -366,7 +366,29 @@ def router_args(inst: Instance) -> list[str]:
             # The router gives up on a PD pair before either tandem leg does.
             "--pd-admission-wait-secs", str(max(1, kv.bootstrap_timeout_seconds - 5)),
             "--shutdown-grace-period-secs", str(grace - 5),
-            *router.extra_args]
+            *_api_key_args(inst), *router.extra_args]
+
+
+def _api_key_env(i: int) -> str:
+    return f"TANDEM_ROUTER_API_KEY_{i}"
+
+
+def _api_key_args(inst: Instance) -> list[str]:
+    """One `--tenant-api-key NAME:$(VAR)` per accepted key (the kubelet expands the variable from the
+    Secret). smg reads keys from its command line only; tenant keys, unlike its single `--api-key`,
+    can be several (a rotation), and leave its admin routes closed to every caller."""
+    keys = inst.spec.router.api_keys
+    if keys is None:
+        return []
+    return [arg for i, key in enumerate(keys.keys) for arg in ("--tenant-api-key", f"{key}:$({_api_key_env(i)})")]
+
+
+def _api_key_env_vars(inst: Instance) -> list[dict]:
+    keys = inst.spec.router.api_keys
+    if keys is None:
+        return []
+    return [{"name": _api_key_env(i), "valueFrom": {"secretKeyRef": {"name": keys.secret_name, "key": key}}}
+            for i, key in enumerate(keys.keys)]
 
 
 def router_grace_seconds(inst: Instance) -> int:
@@ -382,7 +404,7 @@ def render_router_deployment(inst: Instance) -> dict:
         "imagePullPolicy": inst.spec.image_pull_policy,
         "command": ["smg"],
         "args": router_args(inst),
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, *_api_key_env_vars(inst)],
         "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT},
                   {"name": "health", "containerPort": ROUTER_HEALTH_PORT},
                   {"name": "metrics", "containerPort": ROUTER_METRICS_PORT}],

@@ -24,6 +24,8 @@ POOLS = ("prefill", "decode")  # an InferenceService's two server pools, in this
 # pods carry a `controller-revision-hash` label of `<statefulset>-<10 chars>`, which must fit in 63.
 MAX_NAME_LENGTH = 44
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 DURATION = r"^[0-9]+(ms|s|m|h)$"
 
 MODEL_SOURCES = ("builtin", "gguf", "pvc", "huggingface")
@@ -136,6 +138,15 @@ class ServicePort:
 
 
 @dataclass(frozen=True)
+class RouterApiKeys:
+    """Client API keys the router requires (`Authorization: Bearer <key>`), from a Secret."""
+
+    secret_name: str = api_field(doc="Secret in the InferenceService's namespace holding the keys.", pattern=DNS_SUBDOMAIN)
+    keys: list[str] = api_field(["api-key"], "The Secret's keys whose values are accepted, each one key (and "
+                                "the router's name for whoever holds it). Two during a rotation.")
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     """The smg router in front of the pools: tokenizes, picks a prefill and a decode server, and
     serves OpenAI-compatible HTTP."""
@@ -155,6 +166,8 @@ class RouterSpec:
     node_selector: dict[str, str] = api_field({}, "Node labels the router pods must match.")
     tolerations: list[Toleration] = api_field([], "Taints the router pods tolerate.")
     pod_disruption_budget: DisruptionBudget = api_field(DisruptionBudget(), "Eviction budget for the router.")
+    api_keys: RouterApiKeys | None = api_field(
+        None, "Client API keys: requests without one of them get 401 from the router. Unset: no key is asked.")
 
 
 @dataclass(frozen=True)
@@ -391,7 +404,7 @@ RESERVED_SERVER_FLAGS = ("--role", "--host", "--port", "--metrics-port", "--mode
                          "--ib-device", "--drain-grace-seconds", "--bootstrap-timeout", "--tp-size")
 RESERVED_ROUTER_FLAGS = ("--host", "--port", "--pd-disaggregation", "--discovery-provider", "--discovery-file",
                          "--service-discovery", "--prefill-policy", "--decode-policy", "--health-check-port",
-                         "--prometheus-port", "--prometheus-host")
+                         "--prometheus-port", "--prometheus-host", "--api-key", "--tenant-api-key")
 
 
 def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
@@ -414,6 +427,14 @@ def parse_spec(name: str, spec: dict) -> InferenceServiceSpec:
                         "set protocol: rdma")
     _check_tolerations("spec.router.tolerations", parsed.router.tolerations)
     _check_flags("spec.router.extraArgs", parsed.router.extra_args, RESERVED_ROUTER_FLAGS)
+    keys = parsed.router.api_keys
+    if keys is not None:
+        if not keys.keys or len(set(keys.keys)) != len(keys.keys):
+            raise SpecError("spec.router.apiKeys.keys", f"{keys.keys}: name at least one key of Secret "
+                            f"{keys.secret_name!r}, each once")
+        for i, key in enumerate(keys.keys):
+            if not re.search(SECRET_KEY, key):
+                raise SpecError(f"spec.router.apiKeys.keys[{i}]", f"{key!r} is not a Secret key (letters, digits, -._)")
     mon = parsed.monitoring
     if mon.service_monitor and mon.pod_monitor:
         raise SpecError("spec.monitoring", "enable serviceMonitor or podMonitor, not both (each would scrape every pod)")

@@ -8,6 +8,8 @@ written back here.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -189,7 +191,18 @@ class ServeConfig:
     drain_grace_seconds: float = opt(30.0, "on SIGTERM, how long in-flight requests may take to finish")
     disable_kv_events: bool = opt(False, "answer SubscribeKvEvents with UNIMPLEMENTED: routers then guess where "
                                          "prefixes are cached instead of being told")
+    tls_cert: str | None = opt(None, "PEM certificate (chain) of the gRPC port: with --tls-key, gRPC over TLS "
+                                     "(renewed files are picked up without a restart)")
+    tls_key: str | None = opt(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = opt(None, "PEM CA bundle: clients must present a certificate it signed (mutual TLS)")
 
     def validate(self) -> None:
         if not 0 < self.port < 65536 or not 0 < self.metrics_port < 65536 or self.port == self.metrics_port:
             raise ValueError(f"--port={self.port} / --metrics-port={self.metrics_port}: need two distinct ports in 1-65535")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError(f"--tls-ca={self.tls_ca!r} needs --tls-cert and --tls-key: mutual TLS is TLS first")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--tls-ca", self.tls_ca)):
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{flag}={path!r} cannot be read")

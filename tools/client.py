@@ -49,8 +49,9 @@ def request_message(prompt_ids: list[int], params: SamplingParams, rid: str | No
 
 
 class Client:
-    def __init__(self, target: str):
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
+        """`credentials`: TLS (`grpc.ssl_channel_credentials`) for a server started with --tls-cert."""
+        self.channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
 
     def close(self) -> None:

@@ -43,13 +43,16 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {PORT_RANGE} after 100 tries")
 
 
-def wait_healthy(target: str, proc: subprocess.Popen, log_path: Path, timeout: float = 240) -> None:
-    """Until the server at `target` reports SERVING on grpc.health.v1; raise if it exits first."""
+def wait_healthy(target: str, proc: subprocess.Popen, log_path: Path, timeout: float = 240,
+                 credentials=None) -> None:
+    """Until the server at `target` reports SERVING on grpc.health.v1; raise if it exits first.
+    `credentials`: TLS channel credentials, for a server started with --tls-cert."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -63,9 +66,11 @@ def wait_healthy(target: str, proc: subprocess.Popen, log_path: Path, timeout: f
     raise TimeoutError(f"server {target} not healthy after {timeout}s:\n{log_path.read_text()[-3000:]}")
 
 
-def http_post(base: str, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
-    """POST JSON; (HTTP status, body), or (0, why) when nothing answered."""
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def http_post(base: str, path: str, body: dict, timeout: float = 120, api_key: str | None = None) -> tuple[int, str]:
+    """POST JSON (with `Authorization: Bearer api_key` when given); (HTTP status, body), or (0, why)
+    when nothing answered."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -75,14 +80,15 @@ def http_post(base: str, path: str, body: dict, timeout: float = 120) -> tuple[i
         return 0, str(e)
 
 
-def wait_router_ready(base: str, proc: subprocess.Popen, log_path: Path, model: str, timeout: float = 120) -> None:
+def wait_router_ready(base: str, proc: subprocess.Popen, log_path: Path, model: str, timeout: float = 120,
+                      api_key: str | None = None) -> None:
     """Until the router generates through its workers (registered, tokenizer loaded)."""
     deadline = time.monotonic() + timeout
     probe = {"model": model, "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        status, body = http_post(base, "/generate", probe, timeout=30)
+        status, body = http_post(base, "/generate", probe, timeout=30, api_key=api_key)
         if status == 200:
             return
         if time.monotonic() > deadline:
@@ -201,13 +207,16 @@ class Server:
 class Router:
     """`smg launch` (spawn_router) with flags `args`, the workers first (router_workers()), serving
     `model` with the tokenizer in `tokenizer_dir`; constructed once it generates through its
-    workers, stopped if it never does."""
+    workers, stopped if it never does. `api_key`: what the readiness probe and `post` present, for a
+    router started with `--tenant-api-key`."""
 
-    def __init__(self, *args: str, tokenizer_dir: str, log_path: Path, model: str = "smollm2"):
+    def __init__(self, *args: str, tokenizer_dir: str, log_path: Path, model: str = "smollm2",
+                 api_key: str | None = None):
         self.log_path = log_path
+        self.api_key = api_key
         self.proc, self.port, self.metrics_port = spawn_router(list(args), tokenizer_dir, log_path)
         try:
-            wait_router_ready(self.url, self.proc, log_path, model)
+            wait_router_ready(self.url, self.proc, log_path, model, api_key=api_key)
         except BaseException:  # nothing half-started outlives a failed start
             self.stop()
             raise
@@ -217,7 +226,7 @@ class Router:
         return f"http://127.0.0.1:{self.port}"
 
     def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, str]:
-        return http_post(self.url, path, body, timeout)
+        return http_post(self.url, path, body, timeout, self.api_key)
 
     def stop(self) -> None:
         stop_process(self.proc, signal.SIGTERM, 30)
@@ -277,13 +286,14 @@ class LocalStack:
         for server in self.servers:
             server.wait_healthy()
 
-    def start_router(self, *extra: str, servers: list[Server] | None = None, name: str = "router") -> Router:
+    def start_router(self, *extra: str, servers: list[Server] | None = None, name: str = "router",
+                     api_key: str | None = None) -> Router:
         """`smg launch` over `servers` (every server by default; PD mode where there are prefill
         servers), with `extra` router flags after the workers, logging to NAME.log; returned once it
         generates."""
         servers = self.servers if servers is None else servers
         router = Router(*router_workers(servers), *extra, tokenizer_dir=served_tokenizer_dir(servers[0].target),
-                        log_path=self.log_dir / f"{name}.log", model=self.model_name)
+                        log_path=self.log_dir / f"{name}.log", model=self.model_name, api_key=api_key)
         self.routers.append(router)
         return router
 

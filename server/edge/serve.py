@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.server.config import DisaggConfig, EngineConfig, ServeConfig
+from tandem.server.edge.tls import ServerCertificates, bind
 
 log = logging.getLogger("tandem.serve")
 
@@ -72,7 +73,10 @@ class Server:
         add_to_server(self.servicer, self.grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        bound = self.grpc.add_insecure_port(f"{config.host}:{config.port}")
+        certificates = None
+        if config.tls_cert is not None:
+            certificates = ServerCertificates(config.tls_cert, config.tls_key, config.tls_ca)
+        bound = bind(self.grpc, config.host, config.port, certificates)
         if bound == 0:
             raise OSError(f"--port {config.port}: cannot listen on {config.host}:{config.port}")
         self._stopped = threading.Event()
@@ -83,10 +87,12 @@ class Server:
         self.grpc.start()
         for service in ("", "sglang.grpc.scheduler.SglangScheduler"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        c = self.config
+        transport = "mutual TLS" if c.tls_ca else "TLS" if c.tls_cert else "plaintext"
         log.info(
-            "serving %s as %s on %s:%d (metrics :%d), KV pool %d tokens",
-            self.servicer.identity.served_model_name, self.engine.role, self.config.host, self.config.port,
-            self.config.metrics_port, self.engine.max_total_tokens,
+            "serving %s as %s on %s:%d (gRPC, %s; metrics :%d), KV pool %d tokens",
+            self.servicer.identity.served_model_name, self.engine.role, c.host, c.port, transport,
+            c.metrics_port, self.engine.max_total_tokens,
         )
 
     def drain(self) -> None:

@@ -19,8 +19,11 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from support.checks import assert_matches_reference
-from support.serving import PDStack, Router, assert_all_freed, free_port, metric_value
+from support.examples import instance
+from support.kubelet import expand
+from support.serving import PDStack, Router, assert_all_freed, free_port, http_post, metric_value
 from support.structured import SCHEMAS, chat_completions_json
+from tandem.operator import render
 
 NEW_TOKENS = 12
 ENGINE = ("--max-total-tokens", "16384", "--bootstrap-timeout", "20", "--peer-timeout", "2")
@@ -166,6 +169,33 @@ def test_a_rogue_decode_is_refused_while_the_pairs_keep_serving(stack):
     code, answer = bootstrap_call(prefill, "/v1/peers", token=TOKEN)
     assert code == 200 and "rogue:1" not in {p["decode"] for p in answer["peers"]} and len(answer["peers"]) <= 2
     assert bootstrap_call(prefill, "/v1/status", {"rooms": [99]}, TOKEN)[1]["rooms"]["99"]["state"] == "unknown"
+    assert_all_freed(stack.servers)
+
+
+def test_the_router_asks_for_one_of_the_specs_api_keys(stack):
+    """The router as the operator renders it for `spec.router.apiKeys` (two keys of a Secret, as
+    during a rotation), its `$(VAR)`s expanded from the Secret as the kubelet would: a request
+    without a key, or with another, gets 401; either key generates."""
+    inst = instance("minimal", router={"apiKeys": {"secretName": "client-keys", "keys": ["current", "next"]}})
+    secret = {"current": "k-current", "next": "k-next"}
+    container = render.render_router_deployment(inst)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: secret[e["valueFrom"]["secretKeyRef"]["key"]] for e in container["env"] if "valueFrom" in e}
+    args = container["args"]
+    keys = [a for i, a in enumerate(args) if i and args[i - 1] == "--tenant-api-key"]
+    assert len(keys) == 2
+    router = stack.start_router(*(arg for key in keys for arg in ("--tenant-api-key", expand(key, env))),
+                                servers=[stack.prefills[0], stack.decodes[0]], name="router-keys", api_key="k-current")
+    body = {"model": "smollm2", "input_ids": list(range(200, 260)),
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    for key in (None, "k-wrong", "current:k-current"):
+        status, answer = http_post(router.url, "/generate", body, api_key=key)
+        assert status == 401 and "api key" in answer.lower(), (key, status, answer)
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert http_post(router.url, "/v1/chat/completions", chat)[0] == 401
+    for key in ("k-current", "k-next"):
+        status, answer = http_post(router.url, "/generate", body, api_key=key)
+        assert status == 200 and len(output_ids(answer)) == 4, answer
+    router.stop()
     assert_all_freed(stack.servers)
 
 

@@ -272,3 +272,34 @@ def test_the_operator_creates_the_token_once_and_never_rewrites_it(monkeypatch):
     (secret,) = fresh.created
     token = secret["stringData"]["tokens"].strip()
     assert len(token) >= 40 and token != render.render_bootstrap_secret(instance("minimal"), None)["stringData"]["tokens"]
+
+
+def test_router_api_keys_come_from_the_named_secret_as_tenant_keys():
+    inst = instance("minimal", router={"apiKeys": {"secretName": "client-keys", "keys": ["current", "next"]}})
+    deployment = render.render_router_deployment(inst)
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    c = container(deployment)
+    assert c["args"][-4:] == ["--tenant-api-key", "current:$(TANDEM_ROUTER_API_KEY_0)",
+                              "--tenant-api-key", "next:$(TANDEM_ROUTER_API_KEY_1)"]
+    assert [e for e in c["env"] if "valueFrom" in e] == [
+        {"name": "TANDEM_ROUTER_API_KEY_0", "valueFrom": {"secretKeyRef": {"name": "client-keys", "key": "current"}}},
+        {"name": "TANDEM_ROUTER_API_KEY_1", "valueFrom": {"secretKeyRef": {"name": "client-keys", "key": "next"}}}]
+    assert "--tenant-api-key" not in container(render.render_router_deployment(instance("minimal")))["args"]
+
+
+@pytest.mark.parametrize("api_keys, field", [
+    ({"secretName": "k", "keys": []}, "spec.router.apiKeys.keys"),
+    ({"secretName": "k", "keys": ["a", "a"]}, "spec.router.apiKeys.keys"),
+    ({"secretName": "k", "keys": ["a b"]}, "spec.router.apiKeys.keys[0]"),
+    ({"keys": ["a"]}, "spec.router.apiKeys.secretName"),
+])
+def test_router_api_keys_refused_by_field(api_keys, field):
+    with pytest.raises(SpecError) as e:
+        instance("minimal", router={"apiKeys": api_keys})
+    assert e.value.path == field
+
+
+def test_key_flags_are_the_specs_not_extra_args():
+    with pytest.raises(SpecError) as e:
+        instance("minimal", router={"extraArgs": ["--api-key", "x"]})
+    assert e.value.path == "spec.router.extraArgs[0]"
