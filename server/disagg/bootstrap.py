@@ -16,8 +16,8 @@ of the file's tokens (`Authorization: Bearer <token>`, compared in constant time
 gets 401 with reason `missing_token` or `wrong_token`, is counted
 (`tandem_bootstrap_refused_total{reason}`), and reaches no room, page or peer. `/health` stays
 open: it tells nothing but that the service is up. A decode presents its file's first token on
-every call; a prefill without a token file ignores it (a rolling upgrade that adds tokens works in
-either order once every side has the file).
+every call; a prefill without a token file answers it anyway, so a rollout that adds tokens can
+give the decodes theirs first.
 
 Identity: both processes get an instance id on each start. Every answer of this service carries
 the prefill's (`instance`), so a decode sees at once that the process behind an address was
@@ -89,13 +89,14 @@ class _Handler(BaseHTTPRequestHandler):
         if reason is None:
             return True
         refused = self.table.count_refusal(reason)
-        length = int(self.headers.get("Content-Length") or 0)
-        if 0 < length <= DISCARD_LIMIT:  # read, never parsed: a reset before our answer would hide the 401
-            self.rfile.read(length)
+        length = self.headers.get("Content-Length", "")
+        if length.isdigit() and 0 < int(length) <= DISCARD_LIMIT:  # read, never parsed: a reset would hide the 401
+            self.rfile.read(int(length))
         if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood of refusals cannot flood the log
             log.warning("bootstrap call %s %s from %s refused: %s (%d so far)", self.command, self.path,
                         self.client_address[0], reason, refused)
-        what = "carried no bootstrap token" if reason == "missing_token" else "carried a bootstrap token this prefill does not accept"
+        what = ("carried no bootstrap token" if reason == "missing_token"
+                else "carried a bootstrap token this prefill does not accept")
         data = json.dumps({"error": f"the call {what}: this prefill requires one (--bootstrap-token-file)",
                            "reason": reason}).encode()
         self.send_response(401)
@@ -200,7 +201,8 @@ class BootstrapError(RuntimeError):
 
     @property
     def conflict(self) -> bool:
-        """The two sides can never work together (KV layouts differ, or a wrong room)."""
+        """The two sides can never work together (KV layouts differ, a wrong room, or the decode
+        lacks the prefill's bootstrap token)."""
         return self.reason in ("layout", "conflict", *REFUSALS)
 
 
