@@ -43,33 +43,12 @@ def _rms_norm_kernel(h_ptr, delta_ptr, w_ptr, out_ptr, stride_h, stride_delta, s
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One token's heads rotated in place: x * cos + rotate_half(x) * sin, each product rounded."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, HALF)[None, :]
-    mask = h < heads
-    dtype = x_ptr.dtype.element_ty
-    first = x_ptr + t * stride_t + h * stride_h + cols
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    table = t * 2 * HALF + cols
-    cos1 = tl.load(cos_ptr + table).to(tl.float32)
-    cos2 = tl.load(cos_ptr + table + HALF).to(tl.float32)
-    sin1 = tl.load(sin_ptr + table).to(tl.float32)
-    sin2 = tl.load(sin_ptr + table + HALF).to(tl.float32)
-    out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
-    out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
-
-
-@triton.jit
-def _rope_store_kernel(qk_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_t, stride_h,
-                       stride_v, q_heads, kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_V: tl.constexpr):
-    """One token: its q and k heads rotated in place (as `_rope_kernel`), then its rotated k heads
-    and its v row written into its slot of the paged cache."""
+def _rope_kernel(qk_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_t, stride_h, stride_v,
+                 q_heads, kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+                 STORE: tl.constexpr):
+    """One token's q_heads + kv_heads heads rotated in place: x * cos + rotate_half(x) * sin, each
+    product rounded. With STORE, the rotated heads from q_heads on (k's) and the token's v row are
+    written into its slot of the paged cache too (unused pointers are never read without it)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, HALF)[None, :]
@@ -87,15 +66,17 @@ def _rope_store_kernel(qk_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr
     out2 = ((x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)).to(dtype)
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    width = kv_heads * 2 * HALF
-    is_k = mask & (h >= q_heads)
-    k_row = k_cache_ptr + slot * width + (h - q_heads) * (2 * HALF) + cols
-    tl.store(k_row, out1, mask=is_k)
-    tl.store(k_row + HALF, out2, mask=is_k)
-    v_cols = tl.arange(0, BLOCK_V)
-    v_mask = v_cols < width
-    tl.store(v_cache_ptr + slot * width + v_cols, tl.load(v_ptr + t * stride_v + v_cols, mask=v_mask), mask=v_mask)
+    if STORE:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        width = kv_heads * 2 * HALF
+        is_k = mask & (h >= q_heads)
+        k_row = k_cache_ptr + slot * width + (h - q_heads) * (2 * HALF) + cols
+        tl.store(k_row, out1, mask=is_k)
+        tl.store(k_row + HALF, out2, mask=is_k)
+        v_cols = tl.arange(0, BLOCK_V)
+        v_mask = v_cols < width
+        tl.store(v_cache_ptr + slot * width + v_cols, tl.load(v_ptr + t * stride_v + v_cols, mask=v_mask),
+                 mask=v_mask)
 
 
 @triton.jit
@@ -160,8 +141,9 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """x: [T, heads, D] rotated in place; cos, sin: [T, 1, D]."""
     tokens, heads, dim = x.shape
     if tokens:
-        _rope_kernel[(tokens,)](x, cos, sin, x.stride(0), x.stride(1), heads, HALF=dim // 2,
-                                BLOCK_H=triton.next_power_of_2(heads), num_warps=4, **_ROUNDED)
+        _rope_kernel[(tokens,)](x, cos, sin, x, x, x, x, x.stride(0), x.stride(1), 0, heads, 0, HALF=dim // 2,
+                                BLOCK_H=triton.next_power_of_2(heads), BLOCK_V=1, STORE=False, num_warps=4,
+                                **_ROUNDED)
     return x
 
 
@@ -194,12 +176,11 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 def rope_store_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """`apply_rope_(qk, cos, sin)` and `store_kv(k_cache, v_cache, slots, qk[:, q_heads:], v)` in one
-    launch: qk [T, q_heads + kv_heads, D] (the rotary kernel's layout), v [T, kv_heads, D]
+    launch (the same kernel): qk [T, q_heads + kv_heads, D] (the rotary kernel's layout), v [T, kv_heads, D]
     (`takes_kv`), each layer's cache contiguous [pages, page_size, kv_heads, D]."""
     tokens, heads, dim = qk.shape
     if tokens:
         width = (heads - q_heads) * dim
-        _rope_store_kernel[(tokens,)](qk, cos, sin, v, k_cache, v_cache, slots, qk.stride(0), qk.stride(1),
-                                      v.stride(0), q_heads, heads - q_heads, HALF=dim // 2,
-                                      BLOCK_H=triton.next_power_of_2(heads), BLOCK_V=triton.next_power_of_2(width),
-                                      num_warps=4, **_ROUNDED)
+        _rope_kernel[(tokens,)](qk, cos, sin, v, k_cache, v_cache, slots, qk.stride(0), qk.stride(1), v.stride(0),
+                                q_heads, heads - q_heads, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
+                                BLOCK_V=triton.next_power_of_2(width), STORE=True, num_warps=4, **_ROUNDED)

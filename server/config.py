@@ -9,7 +9,6 @@ written back here.
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from typing import Literal
 
