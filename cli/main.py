@@ -342,6 +342,9 @@ def _add_bench_pd(bench_sub: argparse._SubParsersAction) -> None:
     bpd.add_argument("--log-dir", help="server and router logs (default: a new temporary directory)")
     bpd.add_argument("--compare-kv", metavar="MODEL", help="instead: the KV bytes moved per request and held per token "
                      "with --model and with MODEL, disaggregated")
+    bpd.add_argument("--tls", action="store_true", help="instead: a prefill + decode pair over gRPC, plaintext vs "
+                     "mutual TLS, alternating --rounds")
+    bpd.add_argument("--rounds", type=int, default=3, help="with --tls: rounds of each")
     add_arguments(bpd, EngineConfig)
     bpd.set_defaults(func=cmd_bench_pd)
 

@@ -9,6 +9,12 @@ per part, then a summary.
 `--shared-prefix` swaps the workload for `tandem bench cache-routing`'s: a few long system
 prompts, each shared by several users, the case decode-side prefix reuse is for.
 
+`--tls` instead measures what mutual TLS on the servers' gRPC ports costs: two warm prefill + decode
+pairs side by side, one plaintext and one with `--tls-cert/--tls-key/--tls-ca`, driven over gRPC
+with both legs of each request sent as the router sends them (smg 1.13 speaks no TLS to its
+workers, docs/kubernetes.md), in `--rounds` alternating rounds; the ratios are per round, then their
+median.
+
 `--compare-kv MODEL` instead runs the workload disaggregated (every prompt page moving) with
 `--model` and then with MODEL, and reports what each moves per request and holds per token: a
 latent-attention checkpoint beside a multi-head one of the same width
@@ -114,6 +120,48 @@ def compare_kv(args, engine_args: list[str], work) -> int:
     return 0
 
 
+def compare_tls(args, engine_args: list[str], work) -> int:
+    import statistics
+
+    from tandem.tools.bench_serve import pd_grpc_runner
+    from tandem.tools.certs import mutual_tls
+    from tandem.tools.stack import LocalStack
+
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-pd-tls-"))
+    modes = ("plaintext", "mutual_tls")
+    for mode in modes:
+        (logs / mode).mkdir(parents=True, exist_ok=True)
+    with LocalStack(logs / "plaintext", tuple(engine_args)) as plain, \
+            LocalStack(logs / "mutual_tls", tuple(engine_args), tls=mutual_tls(logs / "certs")) as tls:
+        pairs = {"plaintext": plain.start_servers(["prefill", "decode"]), "mutual_tls": tls.start_servers(["prefill", "decode"])}
+        plain.wait()
+        tls.wait()
+        runners = {mode: pd_grpc_runner(p.target, p.bootstrap_port, d.target, p.credentials) for mode, (p, d) in pairs.items()}
+        try:
+            for mode in modes:  # warm both: first-use costs (handshakes, allocations) stay out of the rounds
+                drive(runners[mode][0], work[:args.concurrency], args.concurrency)
+            rounds = []
+            for r in range(args.rounds):
+                results = {}
+                for mode in (modes if r % 2 == 0 else modes[::-1]):
+                    results[mode] = {"bench": "pd", "mode": mode, "round": r, **drive(runners[mode][0], work, args.concurrency)}
+                    print(json.dumps(results[mode]), flush=True)
+                rounds.append(results)
+        finally:
+            for _, close in runners.values():
+                close()
+
+    def ratio(key: str) -> dict:
+        each = [round(r["mutual_tls"][key] / r["plaintext"][key], 3) for r in rounds]
+        return {"median": round(statistics.median(each), 3), "rounds": each}
+
+    print(json.dumps({"bench": "pd", "mode": "summary", "rounds": args.rounds,
+                      "throughput_tls_over_plaintext": ratio("output_tokens_per_s"),
+                      "ttft_p50_tls_over_plaintext": ratio("ttft_p50_s"),
+                      "tpot_p50_tls_over_plaintext": ratio("tpot_p50_ms")}))
+    return 0
+
+
 def _without_model(flags: list[str]) -> list[str]:
     out, skip = [], False
     for flag in flags:
@@ -149,9 +197,9 @@ def run(args, engine_args: list[str]) -> int:
     from tandem.tools.stack import LocalStack, metric_value
     from tandem.server.model.tokenizer import load_tokenizer
 
-    if args.compare_kv:
+    if args.compare_kv or args.tls:
         work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed)
-        return compare_kv(args, engine_args, work)
+        return compare_kv(args, engine_args, work) if args.compare_kv else compare_tls(args, engine_args, work)
     if args.shared_prefix:
         work = bench_cache_routing.make_workload(args.system_prompts, args.users, args.system_len, args.question_len,
                                                  args.output_len[1], args.workload_seed)

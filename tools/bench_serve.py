@@ -43,6 +43,35 @@ def _grpc_runner(target: str):
     return run_one, client.close
 
 
+def pd_grpc_runner(prefill_target: str, bootstrap_port: int, decode_target: str, credentials=None):
+    """Both legs of each request over gRPC, as the router sends them: the prefill leg in the
+    background and the decode leg streamed, with one bootstrap room. `credentials`: TLS for both."""
+    import itertools
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.tools.client import Client, request_message
+
+    prefill, decode = Client(prefill_target, credentials), Client(decode_target, credentials)
+    host = prefill_target.rsplit(":", 1)[0]
+    rooms = itertools.count(1)
+    legs = ThreadPoolExecutor(64, thread_name_prefix="prefill-leg")
+
+    def run_one(prompt: list[int], n: int) -> Sample:
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        bootstrap = (host, bootstrap_port, next(rooms))
+        first = legs.submit(prefill.stream, request_message(prompt, params, bootstrap=bootstrap), None, 300)
+        result = decode.stream(request_message(prompt, params, bootstrap=bootstrap), timeout=300)
+        first.result()
+        return Sample(len(result.output_ids), result.ttft or result.latency, result.latency)
+
+    def close() -> None:
+        legs.shutdown()
+        prefill.close()
+        decode.close()
+
+    return run_one, close
+
+
 def openai_runner(target: str, model_name: str, tokenizer):
     from tandem.tools.client import stream_openai
 

@@ -20,8 +20,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.server.cgroup import usable_cpus
+
+if TYPE_CHECKING:  # certs needs `cryptography`, a development dependency
+    from tandem.tools.certs import MutualTLS
 
 
 # Ports for the servers a stack starts: below Linux's ephemeral range (32768-60999 by default), from
@@ -174,11 +178,13 @@ def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60
 
 class Server:
     """`tandem serve` (spawn_server) on free ports, not waited for (see wait_healthy()). `args` are
-    its serve flags; `role` and `bootstrap_port` say what they set, for router_workers()."""
+    its serve flags; `role` and `bootstrap_port` say what they set, for router_workers();
+    `credentials`, what a gRPC client presents where the flags turn TLS on."""
 
     def __init__(self, args: list[str] | tuple[str, ...], log_path: Path, role: str = "colocated",
-                 bootstrap_port: int | None = None):
+                 bootstrap_port: int | None = None, credentials=None):
         self.args, self.log_path, self.role, self.bootstrap_port = list(args), log_path, role, bootstrap_port
+        self.credentials = credentials
         self.proc, self.port, self.metrics_port = spawn_server(self.args, log_path)
 
     @property
@@ -189,7 +195,7 @@ class Server:
         return metrics_text(self.metrics_port)
 
     def wait_healthy(self, timeout: float = 240) -> None:
-        wait_healthy(self.target, self.proc, self.log_path, timeout)
+        wait_healthy(self.target, self.proc, self.log_path, timeout, self.credentials)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
         return stop_process(self.proc, sig, timeout)
@@ -250,6 +256,7 @@ class LocalStack:
     log_dir: Path
     engine_args: tuple[str, ...] = ()
     model_name: str = "smollm2"
+    tls: MutualTLS | None = None  # every server's gRPC over mutual TLS with these certificates
     servers: list[Server] = field(default_factory=list)
     routers: list[Router] = field(default_factory=list)
 
@@ -259,7 +266,11 @@ class LocalStack:
         args = ["--role", role, "--served-model-name", self.model_name, *self.engine_args, *extra]
         if bootstrap is not None:
             args += ["--bootstrap-port", str(bootstrap)]
-        server = Server(args, self.log_dir / f"{role}-{len(self.servers)}.log", role, bootstrap)
+        credentials = None
+        if self.tls is not None:
+            args += self.tls.serve_flags()
+            credentials = self.tls.client_credentials()
+        server = Server(args, self.log_dir / f"{role}-{len(self.servers)}.log", role, bootstrap, credentials)
         self.servers.append(server)
         return server
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from support.certs import issue, make_ca
+from tandem.tools.certs import issue, make_ca
 from tandem.server.config import ServeConfig
 from tandem.server.edge.tls import ServerCertificates, bind
 from tandem.tools.stack import free_port

@@ -1,5 +1,6 @@
-"""Certificates for TLS tests, made with `cryptography`: a CA, and server or client certificates it
-signs, as PEM files."""
+"""Certificates for local TLS (tests, `tandem bench pd --tls`), made with `cryptography` (a
+development dependency): a CA, and server or client certificates it signs, as PEM files valid for a
+day."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+try:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+except ImportError as e:  # pragma: no cover - the dev extras install it
+    raise ImportError("making local certificates needs the `cryptography` package: pip install cryptography") from e
 
 
 @dataclass
@@ -55,3 +59,27 @@ def issue(ca: Issued, folder: Path, name: str, client: bool = False) -> Issued:
         builder = builder.add_extension(x509.SubjectAlternativeName(
             [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
     return _write(folder, name, builder.sign(ca._key, hashes.SHA256()), key)
+
+
+@dataclass
+class MutualTLS:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all under one folder."""
+
+    ca: Issued
+    server: Issued
+    client: Issued
+
+    def serve_flags(self) -> list[str]:
+        """`tandem serve`'s flags for gRPC over mutual TLS."""
+        return ["--tls-cert", str(self.server.cert), "--tls-key", str(self.server.key), "--tls-ca", str(self.ca.cert)]
+
+    def client_credentials(self):
+        import grpc
+
+        return grpc.ssl_channel_credentials(self.ca.cert.read_bytes(), self.client.key.read_bytes(),
+                                            self.client.cert.read_bytes())
+
+
+def mutual_tls(folder: Path) -> MutualTLS:
+    ca = make_ca(folder / "ca", "tandem-ca")
+    return MutualTLS(ca, issue(ca, folder / "server", "server"), issue(ca, folder / "client", "client", client=True))
