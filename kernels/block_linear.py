@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.common.cpu import cpu_flags
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
+from tandem.kernels.isa import runnable_flags
 
 BLOCK = 32
 # Up to this many rows the int8 blocks beat oneDNN's float32 (measured on a 2-core AVX2 EPYC over
@@ -74,4 +74,4 @@ def bfloat16_blocks_unavailable() -> str | None:
     """None when `block_gemm_bf16` can run here, else why not."""
     if (why := cpu_ops_unavailable()) is not None:
         return f"tandem's CPU kernels are unavailable: {why}"
-    return None if "avx512_bf16" in cpu_flags() else "this CPU lacks AVX512-BF16"
+    return None if "avx512_bf16" in runnable_flags() else "this CPU lacks AVX512-BF16, or faults on it"

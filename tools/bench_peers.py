@@ -209,7 +209,9 @@ def run(args, engine_args: list[str]) -> int:
     bandwidth = read_bandwidth_gb_s()
     weight_bytes, weight_form = decode_weight_bytes(args.model, args.dtype)
     floor_ms = weight_bytes / bandwidth / 1e6
-    machine = {"cpu_flags": cpu_flags(), "cores": threads, "read_gb_s": round(bandwidth, 1), "weights": weight_form,
+    from tandem.kernels.isa import cpu_features
+
+    machine = {"cpu_flags": cpu_flags(), "isa_probe": cpu_features().describe(), "cores": threads, "read_gb_s": round(bandwidth, 1), "weights": weight_form,
                "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
     print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
 
@@ -264,7 +266,8 @@ def table(results: dict[str, dict], machine: dict, args) -> str:
         return text
 
     lines = [
-        f"CPU flags: {' '.join(machine['cpu_flags'])}; {machine['cores']} cores; read bandwidth "
+        f"CPU flags: {' '.join(machine['cpu_flags'])}{f' ({probe})' if (probe := machine.get('isa_probe')) else ''}; "
+        f"{machine['cores']} cores; read bandwidth "
         f"{machine['read_gb_s']} GB/s; a decode step streams {machine['decode_weight_mb']} MB of {machine['weights']} "
         f"weights: single-stream floor {machine['tpot_floor_ms']} ms",
         f"workload: {args.num_requests} requests at concurrency {args.concurrency}"

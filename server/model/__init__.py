@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from tandem.common.cpu import cpu_flags
+from tandem.kernels.isa import cpu_features, runnable_flags
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import onednn_supports
 from tandem.server.model.config import ModelConfig
@@ -69,7 +70,7 @@ def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False)
         return dtype, "asked for"
     if device.type == "cuda":
         return "bfloat16", "auto: CUDA"
-    flags = cpu_flags()
+    flags = runnable_flags()
     kernels_missing = None
     if block_weights and "amx_bf16" not in flags:
         kernels_missing = cpu_ops_unavailable()
@@ -93,7 +94,7 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     the math: a 16-bit cache would cost a conversion of every gathered page on every layer."""
     if device.type != "cpu" or dtype not in _CPU_HALF_FLAGS:
         return dtype
-    flags = cpu_flags()
+    flags = runnable_flags()
     return dtype if any(flag in flags for flag in _CPU_HALF_FLAGS[dtype]) else torch.float32
 
 
@@ -109,7 +110,7 @@ def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, devi
         return dtype, "as the weights"
     if prefill_dtype != "auto":
         return prefill_dtype, "asked for"
-    native = _native_bf16_flags(cpu_flags())
+    native = _native_bf16_flags(runnable_flags())
     if asked_dtype == "auto" and native and onednn_supports(torch.bfloat16):
         return "bfloat16", f"auto: this CPU multiplies bfloat16 natively ({', '.join(native)}), 2-3x float32's speed"
     if asked_dtype != "auto":
@@ -147,9 +148,10 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     if shard.rank:
         return LoadedModel(source, config, module, None, DTYPES[dtype], compute, dev, shard)
     log.info("%s: %s", source.name, config.describe())
-    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); projections: %s; CPU flags: %s",
+    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); projections: %s; CPU flags: %s%s",
              source.name, dev, dtype, why, prefill, prefill_why, module.lm_head.describe(),
-             " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-")
+             " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-",
+             f" ({cpu_features().describe()})" if dev.type == "cpu" else "")
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev, shard)
 
 

@@ -51,10 +51,10 @@ def test_auto_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
     from tandem.server import model
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512f"])
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512f"])
     dtype, why = model.resolve_dtype("auto", cpu)
     assert dtype == "float32" and "neither AVX512-BF16 nor AMX" in why
-    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
     assert model.resolve_dtype("auto", cpu) == ("bfloat16", "auto: this CPU multiplies bfloat16 natively (avx512_bf16)")
     assert model.resolve_dtype("auto", cuda)[0] == "bfloat16"
     assert model.resolve_dtype("float32", cpu) == ("float32", "asked for")
@@ -64,16 +64,19 @@ def test_auto_dtype_is_float32_where_the_block_kernels_decode(monkeypatch):
     from tandem.server import model
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])
     monkeypatch.setattr(model, "cpu_ops_unavailable", lambda: None)
     dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
     assert dtype == "float32" and "int8 blocks" in why
     assert model.resolve_dtype("auto", cpu, block_weights=False)[0] == "bfloat16"  # safetensors: no blocks
     assert model.resolve_dtype("auto", torch.device("cuda"), block_weights=True)[0] == "bfloat16"
-    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16", "amx_bf16"])
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16", "amx_bf16"])
     dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
     assert dtype == "bfloat16" and why.endswith("with AMX, faster than float32 with the GGUF file's int8 blocks")
-    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16"])
+    # AMX listed but faulting is left out of runnable_flags (tandem.kernels.isa): no AMX, so the blocks
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16"])
+    dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
+    assert dtype == "float32" and "int8 blocks" in why
     monkeypatch.setattr(model, "cpu_ops_unavailable", lambda: "TANDEM_CPU_KERNELS=0")
     dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
     assert dtype == "bfloat16" and why.endswith("cannot run: TANDEM_CPU_KERNELS=0")
@@ -108,13 +111,13 @@ def test_prefill_dtype_auto_rounds_only_where_dtype_was_auto_and_bfloat16_is_nat
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(model, "onednn_supports", lambda dtype: True)
-    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma", "avx512_bf16"])
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16"])
     assert model.resolve_prefill_dtype("auto", "auto", "float32", cpu)[0] == "bfloat16"
     assert model.resolve_prefill_dtype("auto", "float32", "float32", cpu) == (
         "float32", "auto: --dtype float32 asked for exact math")
     assert model.resolve_prefill_dtype("float32", "auto", "float32", cpu) == ("float32", "asked for")
     assert model.resolve_prefill_dtype("auto", "auto", "bfloat16", cpu) == ("bfloat16", "as the weights")
-    monkeypatch.setattr(model, "cpu_flags", lambda: ["avx2", "fma"])
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma"])
     assert model.resolve_prefill_dtype("auto", "auto", "float32", cpu)[0] == "float32"
     assert model.resolve_prefill_dtype("bfloat16", "float32", "float32", cpu) == ("bfloat16", "asked for")
     with pytest.raises(ValueError, match=r"--prefill-dtype=bfloat16 applies to float32 weights on a CPU; "
