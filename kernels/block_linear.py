@@ -45,6 +45,9 @@ class BlockWeights:
         blocks = torch.addcmul(self.offset[..., None], self.q.view(n, k // BLOCK, BLOCK).float(), self.scale[..., None])
         return blocks.view(n, k)
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
     def rows(self, index) -> BlockWeights:
         return BlockWeights(self.q[index].contiguous(), self.scale[index].contiguous(), self.offset[index].contiguous())
 
@@ -58,11 +61,64 @@ class BlockWeights:
         return BlockWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))
 
 
+@dataclass
+class Nibbles:
+    """Blocks whose values fit 4 bits (GGUF's Q4_0 and Q4_1) as the file keeps them: two values to a
+    byte (block byte j: element j low, element 16 + j high), a float16 scale and offset per block,
+    0.625 bytes a weight. `w = nibble * scale + offset`, the same values as the BlockWeights they
+    were packed from (`pack`)."""
+
+    q: torch.Tensor  # [N, K // 2] uint8
+    scale: torch.Tensor  # [N, K // 32] float16
+    offset: torch.Tensor  # [N, K // 32] float16
+
+    @staticmethod
+    def pack(w: BlockWeights) -> Nibbles | None:
+        """`w` in 4 bits, or None where it does not fit: a block's values must span 0..15 (Q4_1), or
+        -8..7 with no offset (Q4_0, stored as nibble - 8: offset -8 * scale, exact), and every scale
+        and offset must be a float16 (as GGUF's are)."""
+        n, k = w.q.shape
+        blocks = w.q.view(n, k // BLOCK, BLOCK)
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        as_is = (low >= 0) & (high <= 15)
+        shifted = ~as_is & (low >= -8) & (high <= 7) & (w.offset == 0)
+        if not bool((as_is | shifted).all()):
+            return None
+        shift = shifted.to(torch.int8) * 8
+        offset = w.offset - shift.float() * w.scale
+        scale16, offset16 = w.scale.half(), offset.half()
+        if not (torch.equal(scale16.float(), w.scale) and torch.equal(offset16.float(), offset)):
+            return None
+        nibbles = (blocks + shift[..., None]).to(torch.uint8)
+        packed = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)
+        return Nibbles(packed.reshape(n, k // 2).contiguous(), scale16.contiguous(), offset16.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        n, half = self.q.shape
+        bytes_ = self.q.view(n, half * 2 // BLOCK, BLOCK // 2)
+        nibbles = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1).float()
+        return torch.addcmul(self.offset.float()[..., None], nibbles, self.scale.float()[..., None]).view(n, half * 2)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+
+def fits_four_bits(w: BlockWeights) -> bool:
+    """Whether `w`'s values span 4 bits (Q4_0 or Q4_1): what `Nibbles.pack` needs first."""
+    return bool(w.q.min() >= -8) and bool(w.q.max() <= 15)
+
+
 def block_gemm(x: torch.Tensor, w: BlockWeights, tile_rows: int = 0) -> torch.Tensor:
     """x [M, K] float32 @ w.T -> [M, N] float32. The kernel streams the weight once per tile of
     `tile_rows` rows of x (1-8), by default (0) as many as stay in L1 cache (8 at K = 576, 4 at
     K = 1536)."""
     return torch.ops.tandem.block_gemm(x, w.q, w.scale, w.offset, tile_rows)
+
+
+def block_gemm_q4(x: torch.Tensor, w: Nibbles, tile_rows: int = 0, avx512: int = -1) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32, exactly as block_gemm over the blocks `w` was packed
+    from. `avx512`: -1 where the CPU has AVX-512, 0 the AVX2 functions, 1 the AVX-512 ones."""
+    return torch.ops.tandem.block_gemm_q4(x, w.q, w.scale, w.offset, tile_rows, avx512)
 
 
 def block_gemm_bf16(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:

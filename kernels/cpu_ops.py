@@ -3,6 +3,8 @@ builder on first use and cached under $TORCH_EXTENSIONS_DIR (about a minute with
 set-up script builds it ahead). They register as `torch.ops.tandem.*`:
 
 - `block_gemm`, `block_gemm_bf16`: projections over GGUF-style int8 blocks (block_linear.py);
+- `block_gemm_q4`: the same over 4-bit blocks, two to a byte, as GGUF's Q4_0 and Q4_1 keep them;
+- `isa_probe`: one instruction of a CPU feature, run in a child process (isa.py);
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py);
 - `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`: a layer's steps between projections (layer_ops.py);
 - `parallel_threads`: how many threads a parallel region runs on (a check for the tests);
@@ -13,8 +15,8 @@ headers: built without OpenMP it runs serially and says nothing (a two-core deco
 projections on one core until that was seen), so the library is built with -fopenmp and binds
 to the OpenMP runtime torch has already loaded, sharing its thread pool and torch.set_num_threads.
 
-They are written for AVX2 + FMA (block_gemm_bf16's functions for AVX512-BF16, checked when it
-runs), and built with -ffp-contract=off: the compiler never fuses a multiply and an add the source
+They are written for AVX2 + FMA + F16C (block_gemm_bf16's functions for AVX512-BF16, checked when
+it runs; block_gemm_q4's AVX-512 ones where the CPU has it), and built with -ffp-contract=off: the compiler never fuses a multiply and an add the source
 keeps apart, so element-wise steps round as torch's do. Where they cannot run (another CPU, no
 compiler, `TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch
 paths.
@@ -43,9 +45,9 @@ log = logging.getLogger("tandem.kernels")
 NAME = "tandem_cpu_ops"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
-_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
-_REQUIRED_FLAGS = ("avx2", "fma")
+_REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
 _why: list[str | None] = []  # filled once: None (loaded) or the reason they are unavailable
 

@@ -21,11 +21,15 @@ BUILTIN_MODEL = "builtin:smollm2-135m"
 class EngineConfig:
     model: str = opt(BUILTIN_MODEL, "model: builtin:smollm2-135m, a .gguf file, a HF safetensors directory, or hf:<org>/<name> from the local HF cache")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
-        "auto", "weight and activation dtype; auto: bfloat16 on CUDA; on a CPU float32 where tandem's int8-block "
-        "kernels run (GGUF models, AVX2, no AMX), else bfloat16 with AVX512-BF16 or AMX, else float32")
+        "auto", "weight and activation dtype; auto: bfloat16 on CUDA; on a CPU float32 where tandem's block "
+        "kernels run on a GGUF file's 4-bit blocks (or its int8 blocks without AMX), else bfloat16 with AVX512-BF16 "
+        "or AMX, else float32")
     prefill_dtype: Literal["auto", "float32", "bfloat16"] = opt(
         "auto", "for float32 weights on a CPU: the dtype of projections over many rows (prefill chunks, decode "
         "steps of 5+ requests); auto: bfloat16 where --dtype is auto and the CPU multiplies it natively, else float32 (exact)")
+    gguf_blocks: Literal["4bit", "int8"] = opt(
+        "4bit", "for float32 weights on a CPU: the form a GGUF file's Q4_0/Q4_1 blocks decode from; 4bit keeps them "
+        "as the file does (0.625 bytes a weight), int8 widens them (1.25); both rebuild the file's values exactly")
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     attention_backend: Literal["auto", "torch", "flashinfer"] = opt(
         "auto", "attention kernels: flashinfer on CUDA, torch elsewhere"

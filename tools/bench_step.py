@@ -6,14 +6,17 @@ in two forms alternated within one run so both see the same machine:
 - `--compare kv-pages`: the KV cache on transparent huge pages against 4 KiB pages (two caches;
   where /sys/kernel/mm/transparent_hugepage/enabled is `always`, both get huge pages);
 - `--compare decode-attention`: decode attention read in place from the pages
-  (`paged_decode_attention`) against gathering them for torch's SDPA.
+  (`paged_decode_attention`) against gathering them for torch's SDPA;
+- `--compare weights`: the GGUF file's weights as a decode step reads them: float32 with the
+  Q4 blocks in 4 bits (`--gguf-blocks 4bit`, the default), the same widened to int8, and bfloat16
+  weights where the CPU multiplies bfloat16 natively (`--dtype` is ignored).
 
 The model computes in its own dtype (`--dtype`; auto as a server picks it), the KV cache too.
 
 The batch is `rows` sequences of `--context` tokens each on scattered pages of a KV cache as large
 as a serving engine's, so the weights and the KV stream from memory as they do in a server. Prints
-one JSON line per batch size: median milliseconds per step of each form and the first's over the
-second's.
+one JSON line per batch size: median milliseconds per step of each form and the first's over each
+other's.
 """
 
 from __future__ import annotations
@@ -50,15 +53,15 @@ def run(args) -> int:
     native = cpu_ops_unavailable() is None
     if args.compare != "kv-pages" and not native:
         raise SystemExit(f"bench step compares tandem's native kernels, which cannot run here: {cpu_ops_unavailable()}")
-    loaded = load_model(args.model, args.dtype, "cpu")
+    loaded = load_model(args.model, "float32" if args.compare == "weights" else args.dtype, "cpu")
     model, c = loaded.module, loaded.config
     if loaded.compute_dtype not in (torch.float32, torch.bfloat16):
         raise SystemExit(f"tandem's native kernels take float32 or bfloat16; this model computes in {loaded.compute_dtype}")
 
-    def backend(huge_pages: bool, cache: PagedKVCache | None = None) -> TorchAttention:
+    def backend(huge_pages: bool, cache: PagedKVCache | None = None, dtype: torch.dtype = loaded.compute_dtype) -> TorchAttention:
         if cache is None:
             cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.kv_heads, c.kv_dim,
-                                 loaded.compute_dtype, torch.device("cpu"), huge_pages=huge_pages, value_dim=c.kv_value_dim)
+                                 dtype, torch.device("cpu"), huge_pages=huge_pages, value_dim=c.kv_value_dim)
             cache.buffer.normal_()
         return TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
 
@@ -66,15 +69,22 @@ def run(args) -> int:
         huge, small = backend(True), backend(False)
         if not huge.kv_cache.huge_pages:
             raise SystemExit("Linux refused the huge-page advice here (a kernel without transparent huge pages?)")
-        forms = {"huge_pages": (huge, native), "4k_pages": (small, native)}
+        forms = {"huge_pages": (model, huge, native), "4k_pages": (model, small, native)}
     elif args.compare == "decode-attention":
         in_place = backend(True)
         gathered = backend(True, in_place.kv_cache)  # the same pages, read the other way
         gathered.in_place_decode = False
-        forms = {"in_place": (in_place, True), "gathered": (gathered, True)}
+        forms = {"in_place": (model, in_place, True), "gathered": (model, gathered, True)}
+    elif args.compare == "weights":
+        from tandem.server.model import _native_bf16_flags, runnable_flags
+
+        forms = {"4bit": (model, backend(True), True),
+                 "int8": (load_model(args.model, "float32", "cpu", gguf_blocks="int8").module, backend(True), True)}
+        if _native_bf16_flags(runnable_flags()):
+            forms["bfloat16"] = (load_model(args.model, "bfloat16", "cpu").module, backend(True, dtype=torch.bfloat16), True)
     else:
         attn = backend(True)
-        forms = {"native": (attn, True), "torch": (attn, False)}
+        forms = {"native": (model, attn, True), "torch": (model, attn, False)}
     rng = random.Random(0)
     num_pages = args.kv_tokens // PAGE_SIZE
     for rows in args.rows:
@@ -83,19 +93,19 @@ def run(args) -> int:
         positions = torch.full((rows,), args.context)
         times: dict[str, list[float]] = {name: [] for name in forms}
         for i in range(args.steps + 2):
-            for name, (attn, native) in forms.items():
+            for name, (form, attn, native) in forms.items():
                 layer_ops._kernels_ready[:] = [native]
                 start = time.perf_counter()
                 attn.prepare(batch)
-                model.logits(model(ids, positions, attn))
+                form.logits(form(ids, positions, attn))
                 if i >= 2:  # the first two are warm-up
                     times[name].append(time.perf_counter() - start)
         layer_ops._kernels_ready[:] = [True]
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        first, second = ms
+        first, *others = ms
         print(json.dumps({
             "bench": "step", "compare": args.compare, "model": args.model, "rows": rows, "context": args.context,
             "steps": args.steps, "dtype": str(loaded.compute_dtype).removeprefix("torch."), "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
-            f"{first}_vs_{second}": round(ms[first] / ms[second], 3),
+            **{f"{first}_vs_{other}": round(ms[first] / ms[other], 3) for other in others},
         }), flush=True)
     return 0

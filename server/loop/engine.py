@@ -113,11 +113,12 @@ class Engine:
             self.ranks = RankPool(RankSpec(config.model, config.dtype, config.prefill_dtype, config.device,
                                            config.attention_backend, config.page_size, config.num_threads,
                                            config.tp_size, 0, config.tp_timeout, disagg.role,
-                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise),
+                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise, config.gguf_blocks),
                                   resolve_device(config.device))
             model = load_model(config.model, config.dtype, config.device, config.prefill_dtype,
-                               Shard(0, config.tp_size), self.ranks.group.all_reduce)
-        self.model = model or load_model(config.model, config.dtype, config.device, config.prefill_dtype)
+                               Shard(0, config.tp_size), self.ranks.group.all_reduce, config.gguf_blocks)
+        self.model = model or load_model(config.model, config.dtype, config.device, config.prefill_dtype,
+                                         gguf_blocks=config.gguf_blocks)
         mc, lc = self.model.config, self.model.module.config  # the whole model; this rank's heads
         self.tokenizer = self.model.tokenizer
         self.context_length = config.context_length or mc.max_position_embeddings

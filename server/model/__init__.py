@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from tandem.common.cpu import cpu_flags
+from tandem.kernels.block_linear import fits_four_bits
 from tandem.kernels.isa import cpu_features, runnable_flags
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import onednn_supports
@@ -56,24 +57,31 @@ def _native_bf16_flags(flags: list[str]) -> list[str]:
     return [flag for flag in _CPU_HALF_FLAGS[torch.bfloat16] if flag in flags]
 
 
-def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False) -> tuple[str, str]:
+def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False,
+                  four_bit: bool = False) -> tuple[str, str]:
     """The dtype to load with, and why. `auto` is bfloat16 on CUDA. On a CPU it is float32 where the
-    model comes with GGUF int8 blocks and tandem's CPU kernels run (decode streams 1.25 bytes per
-    weight, attention reads the float32 KV pages in place): measured faster than native bfloat16 on
-    an AVX512-BF16 CPU (`tandem bench offline`, docs/performance.md); but not with AMX, whose
-    bfloat16 tiles win by more: on a 2-core Xeon with AMX, `tandem bench offline --skip-hf
-    --max-running-requests 8` served 174-177 tok/s in bfloat16 against 140 with float32 weights,
-    int8 blocks and bfloat16 prefill products. Otherwise bfloat16 where the CPU multiplies it
-    natively (AVX512-BF16 or AMX), else float32, which a CPU without them computes as fast as
-    emulated bfloat16 and exactly."""
+    model comes with GGUF blocks and tandem's CPU kernels run (attention reads the float32 KV pages
+    in place):
+    - with 4-bit blocks (`four_bit`: Q4_0/Q4_1 kept as the file keeps them, 0.625 bytes a weight),
+      everywhere: on a 2-core Xeon with AMX, a SmolLM2 decode step took 18.0 ms at 1 row against
+      bfloat16's 33.1, and 36.8 against 38.6 at 8 rows (`tandem bench step --compare weights`);
+    - with int8 blocks (1.25 bytes a weight), where the CPU has no AMX: measured faster than native
+      bfloat16 on an AVX512-BF16 CPU (`tandem bench offline`, docs/performance.md), while with AMX
+      bfloat16 won: `tandem bench offline --skip-hf --max-running-requests 8` served 174-177 tok/s
+      in bfloat16 against 140 with float32 weights, int8 blocks and bfloat16 prefill products.
+    Otherwise bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32,
+    which a CPU without them computes as fast as emulated bfloat16 and exactly."""
     if dtype != "auto":
         return dtype, "asked for"
     if device.type == "cuda":
         return "bfloat16", "auto: CUDA"
     flags = runnable_flags()
     kernels_missing = None
-    if block_weights and "amx_bf16" not in flags:
+    if block_weights and (four_bit or "amx_bf16" not in flags):
         kernels_missing = cpu_ops_unavailable()
+        if kernels_missing is None and four_bit:
+            return "float32", ("auto: decodes from the GGUF file's 4-bit blocks with tandem's CPU kernels, faster than "
+                               "bfloat16 here")
         if kernels_missing is None:
             return "float32", "auto: decodes from the GGUF file's int8 blocks with tandem's CPU kernels, faster than bfloat16 without AMX"
     native = _native_bf16_flags(flags)
@@ -119,8 +127,11 @@ def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, devi
 
 
 def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto", shard: Shard = Shard(),
-               all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LoadedModel:
-    """`shard`, `all_reduce`: load one tensor-parallel rank's share (`tandem.server.model.shard`)."""
+               all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gguf_blocks: str = "4bit") -> LoadedModel:
+    """`shard`, `all_reduce`: load one tensor-parallel rank's share (`tandem.server.model.shard`).
+    `gguf_blocks`: 4bit or int8, the form small products read a GGUF file's Q4 blocks in (`Linear`)."""
+    if gguf_blocks not in ("4bit", "int8"):
+        raise ValueError(f"--gguf-blocks={gguf_blocks!r} is invalid: choose 4bit or int8")
     from tandem.server.model.tokenizer import load_tokenizer
 
     if dtype != "auto" and dtype not in DTYPES:
@@ -132,7 +143,8 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     shard.check(config)
     blocks = load_block_weights(source, config) if dev.type == "cpu" else {}
     asked = dtype
-    dtype, why = resolve_dtype(asked, dev, block_weights=bool(blocks))
+    four_bit = gguf_blocks == "4bit" and any(fits_four_bits(b) for b in blocks.values())
+    dtype, why = resolve_dtype(asked, dev, block_weights=bool(blocks), four_bit=four_bit)
     compute = compute_dtype_for(DTYPES[dtype], dev)
     if compute != DTYPES[dtype]:
         why += f"; float32 math and KV cache: this CPU has no native {dtype} instructions"
@@ -141,7 +153,7 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
         weights = random_weights(config, compute, dev)
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute, blocks=blocks,
                               prefill_dtype=DTYPES[prefill] if prefill != dtype else None, shard=shard,
-                              all_reduce=all_reduce)
+                              all_reduce=all_reduce, four_bit=gguf_blocks == "4bit")
     del weights  # the module holds its own (fused) copies
     if dev.type == "cuda":  # give the unfused copies back, so that the KV pool can size itself from what is free
         torch.cuda.empty_cache()

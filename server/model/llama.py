@@ -100,9 +100,9 @@ def _is_norm(name: str) -> bool:
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor], blocks: dict[str, BlockWeights],
                  prefill_dtype: torch.dtype | None = None,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, four_bit: bool = True):
         """`config`: this rank's share of the model; `all_reduce` sums o's and down's partial
-        outputs over the tensor-parallel ranks (the identity for one rank)."""
+        outputs over the tensor-parallel ranks (the identity for one rank); `four_bit`: as `Linear`'s."""
         super().__init__()
         p = f"model.layers.{index}."
         self.index = index
@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
             """One projection over the row-concatenation of `names`' weights."""
             keys = [p + name + ".weight" for name in names]
             fused_blocks = BlockWeights.cat([blocks[k] for k in keys]) if all(k in blocks for k in keys) else None
-            return Linear(torch.cat([w[k] for k in keys]), bias, fused_blocks, prefill_dtype)
+            return Linear(torch.cat([w[k] for k in keys]), bias, fused_blocks, prefill_dtype, four_bit)
 
         self.mla = LatentAttention(config, p, w, prefill_dtype) if config.latent else None
         if self.mla is None:
@@ -214,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
         prefill_dtype: torch.dtype | None = None,
         shard: Shard = Shard(),
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        four_bit: bool = True,
     ):
         """Weights are rounded to `dtype` and held (and computed with) in `compute_dtype`
         (default: `dtype`). `blocks`: the block-quantized form of some weights (the loader's
@@ -221,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
         where the weights stay float32 on the CPU, the dtype of products over many rows (`Linear`).
         `shard`: which tensor-parallel rank this is (`tandem.server.model.shard`): `config` then
         describes the rank's own heads and features, `all_reduce` sums the row-parallel outputs
-        across the ranks, and only rank 0 has an lm_head."""
+        across the ranks, and only rank 0 has an lm_head. `four_bit`: blocks that fit 4 bits are
+        multiplied in that form (`Linear`)."""
         super().__init__()
         compute_dtype = compute_dtype or dtype
         if dtype != torch.float32 or compute_dtype != torch.float32 or torch.device(device).type != "cpu":
@@ -236,13 +238,14 @@ class LlamaForCausalLM(nn.Module):
         self.all_reduce = all_reduce or (lambda t: t)
         w = {k: v.to(dtype=dtype).to(compute_dtype).to(device) for k, v in weights.items() if k != "rope_freqs"}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype, self.all_reduce)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype, self.all_reduce, four_bit)
                                     for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,
         # the logits GEMM its own layout.
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype) if shard.rank == 0 else None
+        self.lm_head = (Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype, four_bit=four_bit)
+                        if shard.rank == 0 else None)
         # RoPE tables: the global layers', and the sliding-window layers' own where they have one
         self.register_buffer("inv_freq", rope_inv_freq(config.rope_dim, config.rope_theta, config.rope_scaling,
                                                        weights.get("rope_freqs")), persistent=False)

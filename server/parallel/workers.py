@@ -66,6 +66,7 @@ class RankSpec:
     kv_transfer_protocol: str = "tcp"
     ib_device: str = ""
     advertise_host: str = "127.0.0.1"
+    gguf_blocks: str = "4bit"
 
 
 @dataclass
@@ -238,7 +239,7 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
             torch.cuda.set_device(device)  # kernels and the transfer engine that use "the" device
         group = ProcessGroup(rank, spec.size, device, spec.port, spec.timeout)
         model = load_model(spec.model, spec.dtype, str(device), spec.prefill_dtype, Shard(rank, spec.size),
-                           group.all_reduce)
+                           group.all_reduce, spec.gguf_blocks)
         _, num_pages = conn.recv()
         c = model.module.config
         kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.kv_heads, c.kv_dim, model.compute_dtype,

@@ -50,19 +50,49 @@ def test_batch_of_one_matches_batched(make_engine, greedy_workload):
 
 def test_decode_projections_read_the_gguf_blocks(smollm_fp32):
     """The tests above run the block-quantized path (steps of up to 8 rows) wherever it can run:
-    every projection of the built-in Q4_1/Q8_0 file holds blocks that dequantize, bit for bit, to
-    the float32 weights HF transformers is given."""
+    every layer projection of the built-in Q4_1/Q8_0 file holds its 4-bit blocks, the lm_head its
+    Q8_0 blocks as int8, and each dequantizes, bit for bit, to the float32 weights HF transformers
+    is given (fused projections: to their weights side by side)."""
     import torch
 
     from tandem.common.cpu import cpu_flags
+    from tandem.kernels.block_linear import BlockWeights, Nibbles
     from tandem.server.model.loader import load_block_weights, load_weights
 
     module = smollm_fp32.module
-    linears = [module.lm_head] + [getattr(layer, n) for layer in module.layers for n in ("qkv", "o", "gate_up", "down")]
-    if all(flag in cpu_flags() for flag in ("avx2", "fma")):
-        assert all(linear.blocks is not None for linear in linears)
     config, weights = load_weights(smollm_fp32.source)
     blocks = load_block_weights(smollm_fp32.source, config)
     assert len(blocks) == 1 + 7 * config.num_layers  # the tied embedding and every layer matrix
     for key, block in blocks.items():
         assert torch.equal(block.dequantize(), weights[key]), key
+    if not all(flag in cpu_flags() for flag in ("avx2", "fma", "f16c")):
+        assert all(layer.qkv.blocks is None for layer in module.layers)
+        return
+    assert isinstance(module.lm_head.blocks, BlockWeights)
+    assert torch.equal(module.lm_head.blocks.dequantize(), weights["model.embed_tokens.weight"])
+    fused = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    for i, layer in enumerate(module.layers):
+        for name, parts in fused.items():
+            linear = getattr(layer, name)
+            assert isinstance(linear.blocks, Nibbles), (i, name)
+            want = torch.cat([weights[f"model.layers.{i}.{part}.weight"] for part in parts])
+            assert torch.equal(linear.blocks.dequantize(), want), (i, name)
+
+
+def test_greedy_matches_reference_with_int8_blocks(greedy_workload):
+    """`--gguf-blocks int8`: the same Q4_1 blocks widened to int8 (`block_gemm`), exact too."""
+    from support.checks import assert_engine_clean
+    from tandem.kernels.block_linear import BlockWeights
+    from tandem.server.config import EngineConfig
+    from tandem.server.loop.engine import Engine
+    from tandem.server.model import load_model
+
+    model = load_model("builtin:smollm2-135m", "float32", "cpu", gguf_blocks="int8")
+    assert all(isinstance(layer.gate_up.blocks, BlockWeights) for layer in model.module.layers)
+    engine = Engine(EngineConfig(page_size=16, chunked_prefill_size=256, max_total_tokens=16384), model=model).start()
+    try:
+        run_and_compare(engine, greedy_workload, "int8 blocks")
+        assert_engine_clean(engine)
+    finally:
+        engine.shutdown()

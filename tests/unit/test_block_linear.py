@@ -1,6 +1,7 @@
 """Block-quantized projections: GGUF's Q4_0, Q4_1 and Q8_0 tensors read into `BlockWeights`
 (dequantizing bit for bit to what gguf's own dequantizer gives), and `block_gemm` against float64
-products of the dequantized weights, through `Linear` at every batch size a step uses."""
+products of the dequantized weights, through `Linear` (asked for int8 blocks) at every batch size a
+step uses. The 4-bit form of the same blocks: test_block_q4.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.loader import ModelSource, _unpermute, load_block_weights
 
+from support.blocks import assert_float32_product, random_blocks
+
 if not all(flag in cpu_flags() for flag in ("avx2", "fma")):
     pytest.skip("block_gemm is built for AVX2 + FMA; this CPU lacks them", allow_module_level=True)
 
@@ -24,28 +27,6 @@ if not all(flag in cpu_flags() for flag in ("avx2", "fma")):
 def test_the_kernel_builds_here():
     # setup.sh installs g++ and ninja; a CPU with AVX2 and FMA must get the kernel, not a fallback
     assert cpu_ops_unavailable() is None
-
-
-def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:
-    g = torch.Generator().manual_seed(seed)
-    shape = (n, k // 32)
-    scale = (torch.rand(shape, generator=g) * 0.02).half().float()  # 16-bit scales, as in GGUF
-    if kind == "q8_0":
-        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-        offset = torch.zeros(shape)
-    else:  # q4_1
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
-        offset = (-torch.rand(shape, generator=g) * 0.1).half().float()
-    return BlockWeights(q, scale, offset)
-
-
-def assert_float32_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """y is x @ w.T summed in float32: within two float32 roundings of the sum of |x * w| of the
-    float64 product (a sum in another order, or in float32 pieces, stays well inside that)."""
-    ref = x.double() @ w.double().t()
-    bound = 2 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
-    worst = float(((y.double() - ref).abs() / bound).max())
-    assert worst <= 1, f"off by {worst:.2f}x the float32 bound"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 64])
@@ -67,8 +48,8 @@ def test_linear_uses_blocks_up_to_the_row_limit_and_onednn_above(rows):
     blocks = random_blocks(320, 576, "q4_1", seed=1)
     w = blocks.dequantize()
     bias = torch.randn(320)
-    linear = Linear(w, bias, blocks)
-    assert linear.blocks is not None and "int8 blocks" in linear.describe()
+    linear = Linear(w, bias, blocks, four_bit=False)
+    assert linear.blocks is blocks and "int8 blocks" in linear.describe()
     x = torch.randn(rows, 576)
     y = linear(x)
     if rows <= BLOCK_MAX_ROWS:
@@ -96,7 +77,7 @@ def test_block_gemm_bf16_matches_float64_products_of_the_rounded_operands(rows, 
     blocks = random_blocks(1000, 576, kind, seed=rows)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(8))
     if not HAS_BF16:  # the library is built everywhere; the operator refuses a CPU it cannot run on
-        assert bfloat16_blocks_unavailable() == "this CPU lacks AVX512-BF16"
+        assert bfloat16_blocks_unavailable() == "this CPU lacks AVX512-BF16, or faults on it"
         with pytest.raises(RuntimeError, match="block_gemm_bf16 needs a CPU with AVX512-BF16"):
             block_gemm_bf16(x, blocks)
         return
@@ -189,7 +170,7 @@ def test_with_blocks_and_a_bfloat16_copy_no_float32_copy_is_kept(rows):
     from BFLOAT16_MIN_ROWS (where the CPU has AVX512-BF16), against the bfloat16 copy above."""
     blocks = random_blocks(256, 128, "q4_1", seed=rows)
     w = blocks.dequantize()
-    linear = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
+    linear = Linear(w, None, blocks, prefill_dtype=torch.bfloat16, four_bit=False)
     assert linear.weight is None and linear.bfloat16_blocks == HAS_BF16
     assert linear.describe().startswith(f"int8 blocks up to {BFLOAT16_MIN_ROWS - 1 if HAS_BF16 else 8} rows, ")
     x = torch.randn(rows, 128)

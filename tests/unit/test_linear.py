@@ -73,6 +73,8 @@ def test_auto_dtype_is_float32_where_the_block_kernels_decode(monkeypatch):
     monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16", "amx_bf16"])
     dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)
     assert dtype == "bfloat16" and why.endswith("with AMX, faster than float32 with the GGUF file's int8 blocks")
+    dtype, why = model.resolve_dtype("auto", cpu, block_weights=True, four_bit=True)  # 4-bit blocks beat AMX too
+    assert dtype == "float32" and "4-bit blocks" in why
     # AMX listed but faulting is left out of runnable_flags (tandem.kernels.isa): no AMX, so the blocks
     monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16"])
     dtype, why = model.resolve_dtype("auto", cpu, block_weights=True)

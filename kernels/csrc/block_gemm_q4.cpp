@@ -1,0 +1,182 @@
+// y = x @ W.T for a weight kept as GGUF keeps Q4_0 and Q4_1: 32-wide blocks of 4-bit values, two to a
+// byte, with a float16 scale and offset per block: W[n, 32b + i] = nib(n, b, i) * scale[n, b] + offset[n, b].
+// Byte j of a block holds element j in its low nibble and element 16 + j in its high one. A weight
+// streams 0.625 bytes here against block_gemm's 1.25 (int8 + two float32 per block) and float32's 4:
+// decoding one sequence reads its weights once per step, so the bytes are the time.
+//
+// Each weight is rebuilt in float32 in registers as block_gemm rebuilds it (the float16 scale and
+// offset widen exactly; nib * scale is exact; one rounding for the add), so it equals the GGUF file's
+// dequantized value bit for bit, and the products are float32's. Two ways to rebuild:
+// - AVX2: widen 8 nibbles to 8 int32, convert, one fused multiply-add with scale and offset;
+// - AVX-512: the block's 16 possible values, i * scale + offset for i in 0..15, in one register (one
+//   fused multiply-add), and each 16 weights looked up with one permute of that register: fewer
+//   instructions per weight, and the values are those of the AVX2 way, rounded the same.
+// The AVX-512 functions carry their own target attribute; the operator picks them where the CPU has
+// AVX-512 (F and BW), or as asked. Registered as torch.ops.tandem.block_gemm_q4.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "block_weights.h"
+
+#define TANDEM_AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+
+namespace {
+
+using tandem_blocks::kBlock;
+using tandem_blocks::kMaxTile;
+constexpr int64_t kBlockBytes = kBlock / 2;
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 widen8(__m128i nibbles) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)); }
+
+// Rows [0, MT) of x against weight rows [n0, n1), AVX2. As in block_gemm.cpp, each row of x keeps
+// A partial sums so that one row's multiply-adds do not wait on each other.
+template <int MT>
+void tile_avx2(const float* x, int64_t K, const uint8_t* q, const uint16_t* scale, const uint16_t* offset,
+               float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int A = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
+  const int64_t nb = K / kBlock;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = q + n * (K / 2);
+    __m256 acc[MT][A];
+    for (int m = 0; m < MT; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 s = _mm256_set1_ps(half_to_float(scale[n * nb + b]));
+      const __m256 o = _mm256_set1_ps(half_to_float(offset[n * nb + b]));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * kBlockBytes));
+      const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+      __m256 w[4];
+      w[0] = _mm256_fmadd_ps(widen8(lo), s, o);
+      w[1] = _mm256_fmadd_ps(widen8(_mm_srli_si128(lo, 8)), s, o);
+      w[2] = _mm256_fmadd_ps(widen8(hi), s, o);
+      w[3] = _mm256_fmadd_ps(widen8(_mm_srli_si128(hi, 8)), s, o);
+      for (int m = 0; m < MT; ++m) {
+        const float* xb = x + m * K + b * kBlock;
+        for (int j = 0; j < 4; ++j) acc[m][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[m][j % A]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m256 t = acc[m][0];
+      for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[m][a]);
+      y[m * N + n] = hsum(t);
+    }
+  }
+}
+
+// The same with AVX-512: one block's 32 weights are two registers looked up from its 16 values.
+// The lookup (vpermps) reads only the low 4 bits of each index, so the low nibbles need no mask and
+// the high ones one shift; scales and offsets are widened 16 blocks at a time, not one by one. With
+// one or two rows of x, blocks alternate between two pairs of sums, so that a block's multiply-adds
+// wait on the block before last, not the last (the sums' latency, not the loads, bounded the loop).
+TANDEM_AVX512_TARGET inline void rebuild_block(const uint8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+  w0 = _mm512_permutexvar_ps(bytes, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
+template <int MT>
+TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const uint8_t* q, const uint16_t* scale,
+                                      const uint16_t* offset, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int P = MT <= 2 ? 2 : 1;  // pairs of sums per row of x
+  constexpr int64_t kGroup = 16;      // blocks whose scales and offsets are widened together
+  const int64_t nb = K / kBlock;
+  alignas(64) float s[kGroup], o[kGroup];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = q + n * (K / 2);
+    __m512 acc[MT][P][2];
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nb; g += kGroup) {
+      const int64_t size = std::min(kGroup, nb - g);
+      const __mmask16 valid = static_cast<__mmask16>((1u << size) - 1);
+      _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale + n * nb + g)));
+      _mm512_store_ps(o, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, offset + n * nb + g)));
+      int64_t i = 0;
+      for (; i + P <= size; i += P) {
+        for (int p = 0; p < P; ++p) {
+          const int64_t b = g + i + p;
+          __m512 w0, w1;
+          rebuild_block(qn + b * kBlockBytes, s[i + p], o[i + p], w0, w1);
+          for (int m = 0; m < MT; ++m) {
+            const float* xb = x + m * K + b * kBlock;
+            acc[m][p][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][p][0]);
+            acc[m][p][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][p][1]);
+          }
+        }
+      }
+      for (; i < size; ++i) {  // an odd block at the end of a group
+        const int64_t b = g + i;
+        __m512 w0, w1;
+        rebuild_block(qn + b * kBlockBytes, s[i], o[i], w0, w1);
+        for (int m = 0; m < MT; ++m) {
+          const float* xb = x + m * K + b * kBlock;
+          acc[m][0][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][0][0]);
+          acc[m][0][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][0][1]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m512 t = _mm512_add_ps(acc[m][0][0], acc[m][0][1]);
+      if (P > 1) t = _mm512_add_ps(t, _mm512_add_ps(acc[m][P - 1][0], acc[m][P - 1][1]));
+      y[m * N + n] = _mm512_reduce_add_ps(t);
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, float*, int64_t,
+                        int64_t, int64_t);
+constexpr TileFn kAvx2[kMaxTile + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>,
+                                        tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
+constexpr TileFn kAvx512[kMaxTile + 1] = {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
+                                          tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
+
+bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+
+}  // namespace
+
+// `avx512`: -1 where the CPU has it, 0 never (AVX2), 1 always (refused where the CPU lacks it).
+at::Tensor block_gemm_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
+                         const at::Tensor& offset, int64_t tile_rows, int64_t avx512) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && K % kBlock == 0 &&
+              q.size(1) == K / 2, "q must be contiguous uint8 [N, K / 2] with K = x.size(1), a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf && scale.is_contiguous() &&
+              offset.is_contiguous() && scale.numel() == N * (K / kBlock) && offset.numel() == N * (K / kBlock),
+              "scale and offset must be contiguous float16 [N, K / 32]");
+  TORCH_CHECK(avx512 != 1 || has_avx512(), "block_gemm_q4: avx512=1 on a CPU without AVX-512 F and BW");
+  const TileFn* tiles = (avx512 == 1 || (avx512 == -1 && has_avx512())) ? kAvx512 : kAvx2;
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* op = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t rows_per_tile = tandem_blocks::tile_rows(tile_rows, K, sizeof(float));
+  tandem_blocks::for_each_tile(M, N, rows_per_tile, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+    tiles[rows](xp + m0 * K, K, qp, sp, op, yp + m0 * N, N, n0, n1);
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("block_gemm_q4(Tensor x, Tensor q, Tensor scale, Tensor offset, int tile_rows=0, int avx512=-1) -> Tensor",
+        &block_gemm_q4);
+}

@@ -1,0 +1,126 @@
+"""4-bit blocks (`Nibbles`, `block_gemm_q4`): GGUF's Q4_0 and Q4_1 kept two values to a byte. Packing
+keeps every weight's value bit for bit (against gguf's own dequantizer); the AVX2 kernel gives
+block_gemm's products bit for bit (the same sums in the same order); the AVX-512 one is float32's
+product of the same weights; `Linear` uses it for every step of up to 8 rows."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tandem.common.cpu import cpu_flags
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Nibbles, block_gemm, block_gemm_q4
+from tandem.kernels.linear import Linear
+
+from support.blocks import assert_float32_product, random_blocks
+
+if not all(flag in cpu_flags() for flag in ("avx2", "fma", "f16c")):
+    pytest.skip("tandem's CPU kernels are built for AVX2, FMA and F16C; this CPU lacks them", allow_module_level=True)
+
+HAS_AVX512 = all(flag in cpu_flags() for flag in ("avx512f", "avx512bw"))
+Q = gguf.GGMLQuantizationType
+
+
+def from_gguf(qtype, n: int, k: int, seed: int) -> tuple[BlockWeights, torch.Tensor]:
+    """An [n, k] tensor quantized by gguf, as the loader reads it (int8 blocks), and gguf's own
+    dequantization of it."""
+    data = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = gguf.quants.quantize(data, qtype).reshape(n, k // 32, -1)
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    offset = (raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == Q.Q4_1
+              else np.zeros_like(scale))
+    packed = raw[..., -16:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
+    if qtype == Q.Q4_0:
+        q -= 8
+    blocks = BlockWeights(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scale), torch.from_numpy(offset))
+    return blocks, torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, -1), qtype).reshape(n, k))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_packing_keeps_every_weight_of_a_gguf_tensor(qtype):
+    blocks, want = from_gguf(qtype, 96, 576, seed=int(qtype))
+    assert torch.equal(blocks.dequantize(), want)
+    nibbles = Nibbles.pack(blocks)
+    assert nibbles is not None and nibbles.q.dtype == torch.uint8 and nibbles.q.shape == (96, 288)
+    assert torch.equal(nibbles.dequantize(), want)
+    assert nibbles.nbytes() == 96 * 576 * 5 // 8  # 0.625 bytes a weight
+
+
+def test_blocks_that_do_not_fit_four_bits_stay_int8():
+    q8 = random_blocks(64, 64, "q8_0", seed=1)
+    assert Nibbles.pack(q8) is None
+    q4 = random_blocks(64, 64, "q4_1", seed=1)
+    assert Nibbles.pack(BlockWeights(q4.q, q4.scale * (1 + 2**-20), q4.offset)) is None  # a scale float16 cannot hold
+    centred = BlockWeights(q4.q - 8, q4.scale, q4.offset)  # -8..7 with an offset: no exact shift
+    assert Nibbles.pack(centred) is None
+    assert Linear(q8.dequantize(), None, q8).blocks is q8  # Linear keeps what does not pack
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("k", [576, 1536])
+def test_the_avx2_kernel_gives_block_gemms_products_bit_for_bit(rows, qtype, k):
+    blocks, _ = from_gguf(qtype, 1000, k, seed=rows)  # 1000 weight rows: chunks of 64 and a remainder
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = block_gemm_q4(x, Nibbles.pack(blocks), avx512=0)
+    assert y.shape == (rows, 1000) and y.dtype == torch.float32
+    assert torch.equal(y, block_gemm(x, blocks))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_the_avx512_kernel_gives_float32_products(rows, qtype):
+    blocks, w = from_gguf(qtype, 1000, 1536, seed=rows)
+    nibbles = Nibbles.pack(blocks)
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+    if not HAS_AVX512:
+        with pytest.raises(RuntimeError, match="avx512=1 on a CPU without AVX-512 F and BW"):
+            block_gemm_q4(x, nibbles, avx512=1)
+        return
+    y = block_gemm_q4(x, nibbles, avx512=1)
+    assert_float32_product(y, x, w)
+    assert torch.equal(block_gemm_q4(x, nibbles), y)  # where the CPU has it, the default
+    torch.testing.assert_close(block_gemm_q4(x.t().contiguous().t(), nibbles, avx512=1), y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tile_rows", range(1, 9))
+def test_every_tile_height_gives_the_product(tile_rows):
+    blocks, w = from_gguf(Q.Q4_1, 200, 1536, seed=tile_rows)
+    x = torch.randn(11, 1536, generator=torch.Generator().manual_seed(9))  # whole tiles and a remainder
+    for avx512 in (0, 1) if HAS_AVX512 else (0,):
+        assert_float32_product(block_gemm_q4(x, Nibbles.pack(blocks), tile_rows, avx512), x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 4, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 40])
+def test_linear_multiplies_four_bit_blocks_up_to_the_row_limit(rows):
+    """Also with bfloat16 products asked for: the 4-bit kernel is faster than the int8 blocks in
+    bfloat16 at every size up to the limit, so no int8 blocks are kept."""
+    blocks, w = from_gguf(Q.Q4_1, 320, 576, seed=rows)
+    bias = torch.randn(320)
+    linear = Linear(w, bias, blocks)
+    assert isinstance(linear.blocks, Nibbles) and linear.describe() == "4-bit blocks up to 8 rows, oneDNN-packed float32 above"
+    x = torch.randn(rows, 576)
+    if rows <= BLOCK_MAX_ROWS:
+        torch.testing.assert_close(linear(x), block_gemm_q4(x, linear.blocks) + bias, rtol=0, atol=0)
+        assert linear.streamed_bytes(rows) == 320 * 576 * 5 // 8
+    else:
+        torch.testing.assert_close(linear(x), Linear(w, bias)(x), rtol=0, atol=0)
+    halves = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
+    assert isinstance(halves.blocks, Nibbles) and not halves.bfloat16_blocks and halves.weight is None
+    want = block_gemm_q4(x, halves.blocks) if rows <= BLOCK_MAX_ROWS else Linear(w.bfloat16())(x.bfloat16()).float()
+    torch.testing.assert_close(halves(x), want, rtol=0, atol=0)
+
+
+def test_block_gemm_q4_refuses_what_it_cannot_take_by_name():
+    nibbles = Nibbles.pack(from_gguf(Q.Q4_1, 64, 64, seed=3)[0])
+    with pytest.raises(RuntimeError, match=r"q must be contiguous uint8 \[N, K / 2\] with K = x.size\(1\)"):
+        block_gemm_q4(torch.randn(2, 96), nibbles)
+    with pytest.raises(RuntimeError, match="x must be a 2-D float32 tensor"):
+        block_gemm_q4(torch.randn(2, 64).double(), nibbles)
+    with pytest.raises(RuntimeError, match=r"scale and offset must be contiguous float16 \[N, K / 32\]"):
+        block_gemm_q4(torch.randn(2, 64), Nibbles(nibbles.q, nibbles.scale.float(), nibbles.offset))
+    with pytest.raises(RuntimeError, match="tile_rows must be 0"):
+        block_gemm_q4(torch.randn(2, 64), nibbles, tile_rows=9)
