@@ -408,7 +408,7 @@ def _add_bench_step(bench_sub: argparse._SubParsersAction) -> None:
     bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size in two forms, alternated "
                                  "in one run: native layer ops vs torch's, the KV cache on huge vs 4 KiB pages, or decode "
                                  "attention read in place vs gathered")
-    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention"], default="layer-ops")
+    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "weights"], default="layer-ops")
     bstep.add_argument("--model", default=EngineConfig.model)
     bstep.add_argument("--dtype", default="auto", help="weights' dtype (as --dtype; auto: what a server picks here)")
     bstep.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="sequences decoding in the step")
@@ -439,7 +439,8 @@ def _add_bench_gpu(bench_sub: argparse._SubParsersAction) -> None:
 
 def _add_bench_peers(bench_sub: argparse._SubParsersAction) -> None:
     bpeers = bench_sub.add_parser("peers", help="tandem (colocated and 1 prefill + 1 decode) against vLLM's CPU build "
-                                  "on this machine, the serve workload, one server at a time, in one run")
+                                  "and llama.cpp's server on this machine, the serve workload, one server at a time, "
+                                  "in one run")
     bpeers.add_argument("--num-requests", type=int, default=32)
     bpeers.add_argument("--concurrency", type=int, default=8)
     bpeers.add_argument("--c1-requests", type=int, default=8, help="requests then run one at a time")
@@ -451,9 +452,15 @@ def _add_bench_peers(bench_sub: argparse._SubParsersAction) -> None:
                              "no prefix cache hits); the figures cover them all")
     bpeers.add_argument("--vllm-dtype", action="append", choices=["bfloat16", "float32"],
                         help="vLLM dtypes to run, each its own server (default: both; its best counts)")
-    bpeers.add_argument("--skip-vllm", action="store_true", help="tandem only")
+    bpeers.add_argument("--repeats", type=int, default=1,
+                        help="runs of the whole workload per system, back to back on one server: the table gives "
+                             "their medians and their spread")
+    bpeers.add_argument("--variant", action="append", metavar="LABEL=FLAGS",
+                        help="also tandem colocated with these serve flags, as 'tandem LABEL' (repeatable)")
+    bpeers.add_argument("--skip-vllm", action="store_true", help="no vLLM runs")
+    bpeers.add_argument("--skip-llama-cpp", action="store_true", help="no llama.cpp run")
     bpeers.add_argument("--skip-pd", action="store_true", help="no 1 prefill + 1 decode run")
-    bpeers.add_argument("--home", default="~/.cache/tandem/peers", help="where vLLM's venv and the exported model live")
+    bpeers.add_argument("--home", default="~/.cache/tandem/peers", help="where vLLM's venv, the exported model and llama.cpp's build live")
     bpeers.add_argument("--log-dir", help="server logs (default: a new temporary directory)")
     add_arguments(bpeers, EngineConfig)
     bpeers.set_defaults(func=cmd_bench_peers)

