@@ -1,16 +1,17 @@
 """`tandem bench linear`: the model's projections, one at a time, in every form a weight can be
 held in, at the batch sizes a step runs: `F.linear` on the [out, in] weight, `x @ W` on the
 transposed weight, `tandem.kernels.linear.Linear` (oneDNN-packed on CPU where it can take
-the dtype), in float32 and bfloat16, and in float32 also tandem's block kernel over GGUF-style
-int8 blocks (`block_gemm`, what decode steps of up to 8 rows use for GGUF models) and torch's
-weight-only int8 kernel (`_weight_int8pack_mm`, per-channel scales). Prints milliseconds per
+the dtype), in float32 and bfloat16, and in float32 also tandem's block kernels over GGUF-style
+blocks, in 4 bits (`block_gemm_q4`, what decode steps of up to 8 rows use for GGUF's Q4 tensors)
+and as int8 (`block_gemm`), and torch's weight-only int8 kernel (`_weight_int8pack_mm`, per-channel scales). Prints milliseconds per
 product and each form's time over `F.linear`'s, as one JSON line per shape and batch size. Small
 projections stay in cache between repeats here; a decode step streams them all from memory.
 
 `--whole-model` times what a step does instead: one pass over all of the model's projections, each
 layer's own weights (so they stream from memory), per batch size, in the forms a float32 model on
-a CPU can use: the int8 blocks in float32 and in bfloat16 (`block_gemm`, `block_gemm_bf16`) and
-oneDNN over float32 and bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
+a CPU can use: the 4-bit blocks (`block_gemm_q4`; with AVX-512 also its AVX2 functions), the int8
+blocks in float32 and in bfloat16 (`block_gemm`, `block_gemm_bf16`) and oneDNN over float32 and
+bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
 whatever the projection's width (`8-row tiles`), against the default, which fits each tile of x
 in L1. The forms are timed in turn (median of 15 rounds); each form's time over the float32
 blocks'.
@@ -25,7 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import BlockWeights, bfloat16_blocks_unavailable, block_gemm, block_gemm_bf16
+from tandem.kernels.block_linear import (BlockWeights, Nibbles, bfloat16_blocks_unavailable, block_gemm,
+                                         block_gemm_bf16, block_gemm_q4)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import Linear, onednn_supports
 
@@ -64,8 +66,10 @@ def alternated_medians(calls: dict, rounds: int = 15) -> dict[str, float]:
 
 
 def random_blocks(n_out: int, n_in: int) -> BlockWeights:
+    """Q4_1-like blocks: values 0..15, float16 scales and offsets (so that they pack into 4 bits)."""
     return BlockWeights(torch.randint(0, 16, (n_out, n_in), dtype=torch.int8),
-                        torch.rand(n_out, n_in // 32) * 0.01, torch.rand(n_out, n_in // 32) * -0.05)
+                        (torch.rand(n_out, n_in // 32) * 0.01).half().float(),
+                        (torch.rand(n_out, n_in // 32) * -0.05).half().float())
 
 
 def run_whole_model(args) -> int:
@@ -77,8 +81,14 @@ def run_whole_model(args) -> int:
     if (why := cpu_ops_unavailable()) is not None:
         raise SystemExit(f"--whole-model compares tandem's block kernels, which cannot run here: {why}")
     blocks = [random_blocks(*shape) for shape in shapes]
+    nibbles = [Nibbles.pack(b) for b in blocks]
+    avx512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
     forms = {"int8 blocks": lambda x: [block_gemm(x[b.q.shape[1]], b) for b in blocks],
-             "int8 blocks, 8-row tiles": lambda x: [block_gemm(x[b.q.shape[1]], b, tile_rows=8) for b in blocks]}
+             "4-bit blocks": lambda x: [block_gemm_q4(x[2 * n.q.shape[1]], n) for n in nibbles]}
+    if avx512:
+        forms["4-bit blocks, AVX2"] = lambda x: [block_gemm_q4(x[2 * n.q.shape[1]], n, avx512=0) for n in nibbles]
+    forms.update({
+             "int8 blocks, 8-row tiles": lambda x: [block_gemm(x[b.q.shape[1]], b, tile_rows=8) for b in blocks]})
     if bfloat16_blocks_unavailable() is None:
         forms["int8 blocks, bfloat16"] = lambda x: [block_gemm_bf16(x[b.q.shape[1]], b) for b in blocks]
     for dtype in (torch.float32, torch.bfloat16):
@@ -123,6 +133,8 @@ def run(args) -> int:
                     times["int8 weight-only"] = seconds_per_call(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scales))
                     if cpu_ops_unavailable() is None:
                         blocks = random_blocks(n_out, n_in)
+                        nibbles = Nibbles.pack(blocks)
+                        times["4-bit blocks"] = seconds_per_call(lambda: block_gemm_q4(x, nibbles))
                         times["int8 blocks"] = seconds_per_call(lambda: block_gemm(x, blocks))
                     if bfloat16_blocks_unavailable() is None:
                         times["int8 blocks, bfloat16"] = seconds_per_call(lambda: block_gemm_bf16(x, blocks))

@@ -19,8 +19,10 @@ Before the runs it measures the machine's read bandwidth and prints the single-s
 the weight bytes a decode step streams (every projection and the lm_head, in the form tandem
 holds them: the GGUF file's blocks where it decodes from those) over that bandwidth. The table
 gives every figure and its ratio to the best peer's (vLLM's or llama.cpp's). With `--repeats N`
-each system runs the whole workload N times back to back on one server; the table gives the
-medians, and a second table each figure's spread over the repeats.
+each system runs the workload N times back to back on one server, each time with new prompts (as
+`--rounds` does: no prefix-cache hits); the table gives the medians, and a second table each
+figure's spread over the repeats, with what one core computed just before each repeat (a matmul's
+GFLOP/s): on a shared host the machine itself speeds up and slows down.
 """
 
 from __future__ import annotations
@@ -234,9 +236,14 @@ def run(args, engine_args: list[str]) -> int:
     home = Path(args.home).expanduser()
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-peers-"))
     logs.mkdir(parents=True, exist_ok=True)
-    works = [make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-                           args.workload_seed + 1000 * i) for i in range(args.rounds)]
-    work_c1 = make_workload(args.c1_requests, tuple(args.prompt_len), tuple(args.output_len), args.workload_seed + 1)
+    def workloads(repeat: int) -> tuple[list, list]:
+        """Repeat `repeat`'s rounds and its concurrency-1 requests: new prompts for each (seeds
+        +1000 per round, +100000 per repeat), so that no system serves a repeat from its prefix cache."""
+        seed = args.workload_seed + 100_000 * repeat
+        rounds = [make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed + 1000 * i)
+                  for i in range(args.rounds)]
+        return rounds, make_workload(args.c1_requests, tuple(args.prompt_len), tuple(args.output_len), seed + 1)
+
     tokenizer = load_tokenizer(resolve_model(args.model))
     threads = os.cpu_count() or 1
 
@@ -256,6 +263,7 @@ def run(args, engine_args: list[str]) -> int:
         results[name] = []
         for repeat in range(args.repeats):
             speed = round(core_gflops(), 1)
+            works, work_c1 = workloads(repeat)
             results[name].append({**measure(target, model_name, tokenizer, works, work_c1, args.concurrency),
                                   "core_gflops": speed})
             print(json.dumps({"bench": "peers", "system": name, "repeat": repeat, **results[name][-1]}), flush=True)
