@@ -13,9 +13,9 @@ A weight that came block-quantized from a GGUF file also keeps that form, and ba
 `BLOCK_MAX_ROWS` rows multiply it: in 4 bits as the file keeps Q4_0 and Q4_1 (`Nibbles`,
 `block_gemm_q4`, 0.625 bytes a weight), otherwise as int8 blocks (`BlockWeights`, `block_gemm`,
 1.25), instead of float32's 4. Both rebuild the file's values exactly. On a 2-core Xeon
-(AVX512-BF16, AMX), one product over all of SmolLM2's q, gate and up blocks (39 MB in 4 bits): at 1
-row 3.44 ms against int8's 6.56, at 8 rows 8.91 against 12.56, and at 5 and 8 rows ahead of the
-int8 blocks in bfloat16 too (6.03 against 9.34, 8.08 against 12.36).
+(AVX512-BF16, AMX), all of SmolLM2's projections (`tandem bench linear --whole-model`): 10.98 ms at
+1 row against the int8 blocks' 16.71, 24.08 at 8 rows against 30.53 (and against 37.51 for the int8
+blocks in bfloat16, so no int8 blocks are kept beside the 4-bit ones).
 A float32 weight may also have its products over many rows run in bfloat16 (`prefill_dtype`: prefill
 chunks, decode batches of `BFLOAT16_MIN_ROWS` or more), which a CPU with AVX512-BF16 multiplies two
 to three times as fast: above `BLOCK_MAX_ROWS` rows against a bfloat16 copy of the weight (oneDNN),
