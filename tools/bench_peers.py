@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -229,6 +229,7 @@ def run(args, engine_args: list[str]) -> int:
     for name in ("rounds", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)} is invalid: must be >= 1")
+    from tandem.kernels.isa import cpu_features, runnable_flags
     from tandem.server.model.loader import resolve_model
     from tandem.server.model.tokenizer import load_tokenizer
     from tandem.tools.stack import LocalStack, free_port
@@ -236,6 +237,7 @@ def run(args, engine_args: list[str]) -> int:
     home = Path(args.home).expanduser()
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-peers-"))
     logs.mkdir(parents=True, exist_ok=True)
+
     def workloads(repeat: int) -> tuple[list, list]:
         """Repeat `repeat`'s rounds and its concurrency-1 requests: new prompts for each (seeds
         +1000 per round, +100000 per repeat), so that no system serves a repeat from its prefix cache."""
@@ -251,9 +253,8 @@ def run(args, engine_args: list[str]) -> int:
     bandwidth = read_bandwidth_gb_s()
     weight_bytes, weight_form = decode_weight_bytes(args.model, args.dtype, args.gguf_blocks)
     floor_ms = weight_bytes / bandwidth / 1e6
-    from tandem.kernels.isa import cpu_features
-
-    machine = {"cpu_flags": cpu_flags(), "isa_probe": cpu_features().describe(), "cores": threads, "read_gb_s": round(bandwidth, 1), "weights": weight_form,
+    machine = {"cpu_flags": cpu_flags(), "isa_probe": cpu_features().describe(), "cores": threads,
+               "read_gb_s": round(bandwidth, 1), "weights": weight_form,
                "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
     print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
 
@@ -285,7 +286,6 @@ def run(args, engine_args: list[str]) -> int:
 
     source = resolve_model(args.model)
     if not args.skip_llama_cpp and source.kind == "gguf":
-        from tandem.kernels.isa import runnable_flags
         from tandem.tools.llama_cpp import ensure_llama_server, start_llama_server
 
         binary = ensure_llama_server(home, runnable_flags())
@@ -374,7 +374,7 @@ def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
         for name, repeats in runs.items():
             cells = []
             for key in SPREAD_KEYS:
-                values = [r.get(key, float("nan")) for r in repeats]
+                values = [r[key] for r in repeats]
                 cells.append(f"{min(values):g}-{max(values):g} ({(max(values) - min(values)) / results[name][key]:.0%})")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

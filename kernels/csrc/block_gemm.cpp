@@ -21,13 +21,6 @@ inline __m256 load_q8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Rows [0, MT) of x against weight rows [n0, n1). Each row of x keeps A partial sums so that the
 // multiply-adds of one block do not wait on each other (at one row, a single sum would make the
 // kernel latency-bound instead of bandwidth-bound).
@@ -49,16 +42,9 @@ void tile(const float* x, int64_t K, const int8_t* q, const float* scale, const 
       const int8_t* qb = qn + b * kBlock;
       __m256 w[4];
       for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(load_q8(qb + 8 * j), s, o);
-      for (int m = 0; m < MT; ++m) {
-        const float* xb = x + m * K + b * kBlock;
-        for (int j = 0; j < 4; ++j) acc[m][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[m][j % A]);
-      }
+      tandem_blocks::accumulate_block<MT, A>(w, x, K, b, acc);
     }
-    for (int m = 0; m < MT; ++m) {
-      __m256 t = acc[m][0];
-      for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[m][a]);
-      y[m * N + n] = hsum(t);
-    }
+    tandem_blocks::store_sums<MT, A>(acc, y, N, n);
   }
 }
 

@@ -34,13 +34,6 @@ constexpr int64_t kBlockBytes = kBlock / 2;
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline __m256 widen8(__m128i nibbles) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)); }
 
 // Rows [0, MT) of x against weight rows [n0, n1), AVX2. As in block_gemm.cpp, each row of x keeps
@@ -66,16 +59,9 @@ void tile_avx2(const float* x, int64_t K, const uint8_t* q, const uint16_t* scal
       w[1] = _mm256_fmadd_ps(widen8(_mm_srli_si128(lo, 8)), s, o);
       w[2] = _mm256_fmadd_ps(widen8(hi), s, o);
       w[3] = _mm256_fmadd_ps(widen8(_mm_srli_si128(hi, 8)), s, o);
-      for (int m = 0; m < MT; ++m) {
-        const float* xb = x + m * K + b * kBlock;
-        for (int j = 0; j < 4; ++j) acc[m][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[m][j % A]);
-      }
+      tandem_blocks::accumulate_block<MT, A>(w, x, K, b, acc);
     }
-    for (int m = 0; m < MT; ++m) {
-      __m256 t = acc[m][0];
-      for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[m][a]);
-      y[m * N + n] = hsum(t);
-    }
+    tandem_blocks::store_sums<MT, A>(acc, y, N, n);
   }
 }
 

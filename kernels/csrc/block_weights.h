@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 
@@ -66,6 +67,33 @@ at::Tensor multiply(const at::Tensor& x, const T* xp, const at::Tensor& q, const
     tiles[rows](xp + m0 * K, K, qp, sp, op, yp + m0 * N, N, n0, n1);
   });
   return y;
+}
+
+// The AVX2 float32 kernels' inner steps (block_gemm.cpp, block_gemm_q4.cpp): one block's 32 rebuilt
+// weights `w` (4 x 8) times rows [0, MT) of x, each row's products spread over its A sums...
+template <int MT, int A>
+inline void accumulate_block(const __m256 (&w)[4], const float* x, int64_t K, int64_t b, __m256 (&acc)[MT][A]) {
+  for (int m = 0; m < MT; ++m) {
+    const float* xb = x + m * K + b * kBlock;
+    for (int j = 0; j < 4; ++j) acc[m][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[m][j % A]);
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ...and, after the last block, each row's sums added into y[m, n].
+template <int MT, int A>
+inline void store_sums(const __m256 (&acc)[MT][A], float* y, int64_t N, int64_t n) {
+  for (int m = 0; m < MT; ++m) {
+    __m256 t = acc[m][0];
+    for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[m][a]);
+    y[m * N + n] = hsum(t);
+  }
 }
 
 }  // namespace tandem_blocks

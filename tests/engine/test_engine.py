@@ -307,7 +307,7 @@ def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_h
 
     loaded_on = []
 
-    def failing_load(*args):
+    def failing_load(*args, **kwargs):
         loaded_on.append(threading.current_thread())
         raise ModelLoadError("--model 'x': cannot read the model")
 
