@@ -207,6 +207,27 @@ def _gguf_key(source: ModelSource, config: ModelConfig, name: str) -> tuple[str,
     raise ModelLoadError(f"--model {str(source.path)!r}: unexpected tensor {name}")
 
 
+def gguf_block_parts(data: np.ndarray, tensor_type, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q8_0, Q4_0 or Q4_1 tensor's bytes as q [rows, K] int8 and scale and offset [rows, K / 32]
+    float32, with `q * scale + offset` its dequantized values (Q4_0's q centred: nibble - 8)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    raw = data.reshape(rows, -1, gguf.GGML_QUANT_SIZES[tensor_type][1])  # [N, K / 32, bytes]
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    offset = np.zeros_like(scale)
+    if tensor_type == Q.Q8_0:
+        q = raw[..., 2:].copy().view(np.int8)
+    else:
+        if tensor_type == Q.Q4_1:
+            offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = raw[..., -16:]  # element j in the low nibble of byte j, element 16 + j in its high nibble
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
+        if tensor_type == Q.Q4_0:
+            q -= 8
+    return q.reshape(rows, -1), scale, offset
+
+
 def load_block_weights(source: ModelSource, config: ModelConfig) -> dict[str, BlockWeights]:
     """The matrices a GGUF file stores in 32-wide Q8_0, Q4_0 or Q4_1 blocks, under HF names, as
     `BlockWeights` that dequantize exactly to what `load_weights` returns; {} for other sources."""
@@ -220,20 +241,7 @@ def load_block_weights(source: ModelSource, config: ModelConfig) -> dict[str, Bl
         if t.tensor_type not in (Q.Q8_0, Q.Q4_0, Q.Q4_1) or len(t.shape) != 2:
             continue
         key, heads = _gguf_key(source, config, t.name)
-        rows = int(t.shape[1])
-        raw = np.asarray(t.data).reshape(rows, -1, gguf.GGML_QUANT_SIZES[t.tensor_type][1])  # [N, K / 32, bytes]
-        scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        offset = np.zeros_like(scale)
-        if t.tensor_type == Q.Q8_0:
-            q = raw[..., 2:].copy().view(np.int8)
-        else:
-            if t.tensor_type == Q.Q4_1:
-                offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            packed = raw[..., -16:]  # element j in the low nibble of byte j, element 16 + j in its high nibble
-            q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
-            if t.tensor_type == Q.Q4_0:
-                q -= 8
-        q = q.reshape(rows, -1)
+        q, scale, offset = gguf_block_parts(np.asarray(t.data), t.tensor_type, int(t.shape[1]))
         if heads:
             q, scale, offset = (_unpermute(a, heads) for a in (q, scale, offset))
         blocks[key] = BlockWeights(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, offset)))

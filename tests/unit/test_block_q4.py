@@ -1,7 +1,8 @@
 """4-bit blocks (`Nibbles`, `block_gemm_q4`): GGUF's Q4_0 and Q4_1 kept two values to a byte. Packing
 keeps every weight's value bit for bit (against gguf's own dequantizer); the AVX2 kernel gives
 block_gemm's products bit for bit (the same sums in the same order); the AVX-512 one is float32's
-product of the same weights; `Linear` uses it for every step of up to 8 rows."""
+product of the same weights; `Linear` uses it for every step of up to 8 rows. The kernels need
+AVX2, FMA and F16C (x86-64 CPUs since 2013): without them these tests fail, they do not skip."""
 
 from __future__ import annotations
 
@@ -13,11 +14,9 @@ import torch
 from tandem.common.cpu import cpu_flags
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Nibbles, block_gemm, block_gemm_q4
 from tandem.kernels.linear import Linear
+from tandem.server.model.loader import gguf_block_parts
 
 from support.blocks import assert_float32_product, random_blocks
-
-if not all(flag in cpu_flags() for flag in ("avx2", "fma", "f16c")):
-    pytest.skip("tandem's CPU kernels are built for AVX2, FMA and F16C; this CPU lacks them", allow_module_level=True)
 
 HAS_AVX512 = all(flag in cpu_flags() for flag in ("avx512f", "avx512bw"))
 Q = gguf.GGMLQuantizationType
@@ -27,16 +26,9 @@ def from_gguf(qtype, n: int, k: int, seed: int) -> tuple[BlockWeights, torch.Ten
     """An [n, k] tensor quantized by gguf, as the loader reads it (int8 blocks), and gguf's own
     dequantization of it."""
     data = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    raw = gguf.quants.quantize(data, qtype).reshape(n, k // 32, -1)
-    scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    offset = (raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == Q.Q4_1
-              else np.zeros_like(scale))
-    packed = raw[..., -16:]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8)
-    if qtype == Q.Q4_0:
-        q -= 8
-    blocks = BlockWeights(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scale), torch.from_numpy(offset))
-    return blocks, torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, -1), qtype).reshape(n, k))
+    raw = gguf.quants.quantize(data, qtype)
+    blocks = BlockWeights(*(torch.from_numpy(np.ascontiguousarray(a)) for a in gguf_block_parts(raw, qtype, n)))
+    return blocks, torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
