@@ -430,12 +430,9 @@ def _add_bench_gpu(bench_sub: argparse._SubParsersAction) -> None:
     bgpu.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens in the prefill pass")
     bgpu.add_argument("--layers", type=int, help="fewer layers than the shape has (a quicker smoke run)")
     bgpu.add_argument("--no-graphs", action="store_true", help="eager decode only")
-    bgpu.add_argument("--baseline", choices=("cublas", "torch-ops"), default="cublas",
-                      help="what the graphs are also captured with, and timed beside: every projection on cuBLAS "
-                      "(no Triton GEMV), or also the layers' small steps as torch's ops")
     bgpu.add_argument("--no-projections", dest="projections", action="store_false",
-                      help="skip timing each projection alone (cuBLAS against the Triton GEMV)")
-    bgpu.add_argument("--projection-rows", type=int, nargs="+", default=[1, 8, 16],
+                      help="skip timing each projection alone (cuBLAS, against the copy bandwidth)")
+    bgpu.add_argument("--projection-rows", type=int, nargs="+", default=[1, 8],
                       help="rows of the projections timed alone")
     bgpu.add_argument("--profile", action="store_true",
                       help="also profile one graphed step at the smallest batch: kernels run, GPU busy time, the longest")

@@ -45,31 +45,6 @@ PACK_BATCH_HINT = 64
 # blocks against bfloat16 blocks: 7.5 / 7.2 ms at 1 row, 10.8 / 8.9 at 4, 12.4 / 10.2 at 5,
 # 18.5 / 14.1 at 8 (oneDNN bfloat16 at 8: 15.7; at 12 rows it wins: 16.8 against 19.6).
 BFLOAT16_MIN_ROWS = 5
-# Up to this many rows, a 16-bit weight on CUDA is multiplied by `triton_gemv` instead of cuBLAS
-# (a fixed rule, so that every process rounds alike; see that module).
-GEMV_MAX_ROWS = 16
-_gemv: list = []  # [the triton_gemv module, or None where Triton does not import]; filled on first CUDA use
-_gemv_on = [True]
-
-
-def use_triton_gemv(enabled: bool) -> None:
-    """Whether small products on CUDA take `triton_gemv` (the default) or cuBLAS (a baseline to
-    measure against). Products already captured in a CUDA graph keep what they were captured with."""
-    _gemv_on[0] = enabled
-
-
-def _triton_gemv(x: torch.Tensor, weight: torch.Tensor):
-    """The `triton_gemv` module where it takes this product, else None."""
-    if not _gemv_on[0] or x.device.type != "cuda" or x.shape[0] > GEMV_MAX_ROWS:
-        return None
-    if not _gemv:
-        try:
-            from tandem.kernels import triton_gemv
-        except ImportError as e:
-            log.warning("Triton does not import (%s): small products on CUDA run on cuBLAS", e)
-            triton_gemv = None
-        _gemv.append(triton_gemv)
-    return _gemv[0] if _gemv[0] is not None and _gemv[0].takes(x, weight) else None
 
 
 class Linear:
@@ -140,10 +115,6 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.kind == "transposed":
             y = x @ self.weight
-            return y if self.bias is None else y + self.bias
-        gemv = _triton_gemv(x, self.weight)
-        if gemv is not None:
-            y = gemv.linear(x, self.weight)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

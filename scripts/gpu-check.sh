@@ -101,7 +101,7 @@ EOF
 PYTEST=(python3 -m pytest -p no:cacheprovider -v -rfE)
 mkdir -p /tmp/tandem-pytest  # each stage's --basetemp below it (pytest makes only the last folder)
 stage graphs 120 "${PYTEST[@]}" --timeout=85 --basetemp=/tmp/tandem-pytest/graphs tests/engine/test_triton_ops_gpu.py \
-    tests/engine/test_triton_gemv_gpu.py tests/engine/test_cuda_graphs_gpu.py
+    tests/engine/test_cuda_graphs_gpu.py
 stage bench 200 python3 -m tandem.cli.main bench gpu --shapes llama3-8b llama3.2-1b --profile --json-out "$OUT/bench.json"
 stage serving 240 "${PYTEST[@]}" --timeout=200 --basetemp=/tmp/tandem-pytest/serving tests/e2e/test_cuda_serving_gpu.py -s
 stage families 60 "${PYTEST[@]}" --timeout=50 --basetemp=/tmp/tandem-pytest/families tests/engine/test_new_architectures_gpu.py

@@ -11,6 +11,9 @@ drawn on the device with a fixed seed and loaded through the serving model code
   pass, logits, greedy tokens to the host. The median of `--steps` steps. The graphs are captured
   twice, with the layers' small steps as Triton kernels (`kernels.triton_ops`, what the server
   runs) and as torch's ops (the baseline they replaced), and both are timed in the same run.
+- **projections**: each distinct projection of the shape alone at `--projection-rows` rows, on
+  cuBLAS as the server runs it, as bytes of weight per second beside the copy bandwidth: which
+  projection a step loses time in (the profile names kernels, not layers).
 - **profile** (`--profile`): one graphed batch-1 step of each form under torch's profiler: how
   many kernels ran, how long the GPU was busy with them, and which took longest.
 - **floor**: the fastest a decode step can be: the bytes it must read (every projection's weights
@@ -27,7 +30,6 @@ no floor against a GPU): a smoke test of the benchmark itself.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import random
@@ -37,7 +39,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import layer_ops, linear
+from tandem.kernels import layer_ops
 from tandem.kernels.attention import create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.server.loop.cuda_graphs import DecodeGraphs
@@ -114,22 +116,6 @@ def prefill_flops(c, num_prompts: int, length: int) -> float:
     return num_prompts * c.num_layers * (2 * per_token * length + attention)
 
 
-BASELINES = ("cublas", "torch-ops")
-
-
-@contextlib.contextmanager
-def baseline_form(baseline: str):
-    """Inside: the model's forward pass as it ran before tandem's own CUDA kernels, with every
-    projection on cuBLAS (`cublas`), or also the layers' small steps as torch's ops (`torch-ops`)."""
-    linear.use_triton_gemv(False)
-    layer_ops.use_fused_cuda_ops(baseline != "torch-ops")
-    try:
-        yield
-    finally:
-        linear.use_triton_gemv(True)
-        layer_ops.use_fused_cuda_ops(True)
-
-
 def _gpu_seconds(fn, reps: int = 50) -> float:
     """Seconds per call of `fn` over `reps` calls back to back, from CUDA events (a kernel of a few
     microseconds is shorter than a host synchronization)."""
@@ -147,25 +133,19 @@ def _gpu_seconds(fn, reps: int = 50) -> float:
 @torch.inference_mode()
 def bench_projections(name: str, model: LlamaForCausalLM, rows_list: list[int], copy_bw: float | None,
                       results: list[dict]) -> None:
-    """Each distinct projection of the shape (layer 0's and the LM head) alone at `rows_list` rows:
-    cuBLAS against the Triton GEMV (`triton_gemv`, its fastest configuration), as the bytes of the
-    weight over the time, beside the copy bandwidth."""
-    from tandem.kernels import triton_gemv
-
+    """Each distinct projection of the shape (layer 0's and the LM head) alone at `rows_list` rows,
+    as the server runs it (cuBLAS): the weight's bytes over the time, beside the copy bandwidth.
+    Which projection a decode step loses time in, which the profile's kernel names do not say."""
     layer = model.layers[0]
     for label, proj in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down),
                         ("lm_head", model.lm_head)):
         w = proj.weight
         for rows in rows_list:
             x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
-            cublas = _gpu_seconds(lambda: F.linear(x, w))
-            config = triton_gemv.choose(x, w) if triton_gemv.takes(x, w) else None
-            gemv = _gpu_seconds(lambda: triton_gemv.gemv(x, w, config)) if config else None
-            nbytes = w.numel() * w.element_size()
+            seconds = _gpu_seconds(lambda: F.linear(x, w))
+            tb_s = w.numel() * w.element_size() / seconds / 1e12
             results.append(dict(shape=name, kind="projection", name=label, weight=list(w.shape), rows=rows,
-                                cublas_us=cublas * 1e6, gemv_us=gemv * 1e6 if gemv else None, config=str(config),
-                                cublas_tb_s=nbytes / cublas / 1e12, gemv_tb_s=nbytes / gemv / 1e12 if gemv else None,
-                                copy_tb_s=copy_bw / 1e12 if copy_bw else None))
+                                us=seconds * 1e6, tb_s=tb_s, of_copy=tb_s * 1e12 / copy_bw if copy_bw else None))
             print(json.dumps(results[-1]), flush=True)
 
 
@@ -184,13 +164,16 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     num_pages = max(rows_max * per_seq, prompts * -(-args.prefill_len // PAGE_SIZE)) + 1  # + the graphs' scratch page
     cache = PagedKVCache(c.num_layers, num_pages, PAGE_SIZE, c.kv_heads, c.kv_dim, dtype, device, value_dim=c.kv_value_dim)
     attn = create_backend("auto", cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
-    graphs, baseline_graphs, capture_s = None, None, None
+    graphs, torch_ops_graphs, capture_s = None, None, None
     if device.type == "cuda" and not args.no_graphs:
         graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
         capture_s = graphs.capture()
-        with baseline_form(args.baseline):
-            baseline_graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
-            baseline_graphs.capture()
+        layer_ops.use_fused_cuda_ops(False)
+        try:
+            torch_ops_graphs = DecodeGraphs(model, cache, sorted(set(args.rows)), scratch_page=num_pages - 1)
+            torch_ops_graphs.capture()
+        finally:
+            layer_ops.use_fused_cuda_ops(True)
         if args.projections:
             bench_projections(name, model, args.projection_rows, copy_bw, results)
     wbytes = model.streamed_bytes(1)
@@ -209,7 +192,7 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
         inputs = decode_inputs(rows, args.context, pages)
         eager = _median_seconds(lambda: step(inputs, None), args.steps, 3, device)
         graphed = _median_seconds(lambda: step(inputs, graphs), args.steps, 3, device) if graphs else None
-        baseline = _median_seconds(lambda: step(inputs, baseline_graphs), args.steps, 3, device) if graphs else None
+        torch_ops = _median_seconds(lambda: step(inputs, torch_ops_graphs), args.steps, 3, device) if graphs else None
         # the host's part of a graphed step (inputs copied in, attention planned), during which the GPU waits
         host = _median_seconds(lambda: graphs.load(inputs.input_ids, inputs.positions, inputs.slots, inputs.kv_lens,
                                                    inputs.page_tables), args.steps, 3, device) if graphs else None
@@ -217,16 +200,15 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
         floor = read / copy_bw if copy_bw else None  # the memory's rate, as a copy drives it (reads and writes)
         results.append(dict(
             shape=name, kind="decode", rows=rows, context=args.context, eager_ms=eager * 1e3,
-            graph_ms=graphed * 1e3 if graphed else None, baseline=args.baseline,
-            baseline_graph_ms=baseline * 1e3 if baseline else None,
-            baseline_over_graph=baseline / graphed if graphed else None, host_ms=host * 1e3 if host else None,
+            graph_ms=graphed * 1e3 if graphed else None, torch_ops_graph_ms=torch_ops * 1e3 if torch_ops else None,
+            torch_ops_over_fused=torch_ops / graphed if graphed else None, host_ms=host * 1e3 if host else None,
             floor_ms=floor * 1e3 if floor else None,
             graph_over_floor=graphed / floor if graphed and floor else None,
             eager_over_graph=eager / graphed if graphed else None, bytes_read=read,
             capture_s=capture_s))
         print(json.dumps(results[-1]), flush=True)
         if args.profile and graphs and rows == min(args.rows):
-            for form, replay in (("tandem's kernels", graphs), (args.baseline, baseline_graphs)):
+            for form, replay in (("Triton", graphs), ("torch ops", torch_ops_graphs)):
                 try:
                     profiled = profile_step(lambda: step(inputs, replay), device)
                 except Exception as e:  # the profiler is a diagnosis: the figures above stand without it
@@ -243,7 +225,7 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
                         tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12,
                         of_peak=flops / seconds / peak if peak else None))
     print(json.dumps(results[-1]), flush=True)
-    del model, cache, attn, graphs, baseline_graphs
+    del model, cache, attn, graphs, torch_ops_graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -281,24 +263,20 @@ def report(header: dict, results: list[dict]) -> str:
              f"{_fmt(header['copy_tb_s'], '.2f')} TB/s (read + written); bf16 matmul peak "
              f"{_fmt(header['matmul_tflops'], '.0f')} TFLOP/s", "",
              "| shape | batch | context | eager ms | graphs ms | HBM floor ms | graphs / floor | eager / graphs "
-             f"| graphs, {header.get('baseline', 'baseline')} ms | {header.get('baseline', 'baseline')} / tandem "
-             "| host's part ms |",
+             "| graphs, torch ops ms | torch ops / Triton | host's part ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["kind"] == "decode":
             lines.append(f"| {r['shape']} | {r['rows']} | {r['context']} | {r['eager_ms']:.2f} | {_fmt(r['graph_ms'], '.2f')} | "
                          f"{_fmt(r['floor_ms'], '.2f')} | {_fmt(r['graph_over_floor'], '.2f')} | "
-                         f"{_fmt(r['eager_over_graph'], '.2f')} | {_fmt(r['baseline_graph_ms'], '.2f')} | "
-                         f"{_fmt(r['baseline_over_graph'], '.2f')} | {_fmt(r['host_ms'], '.2f')} |")
+                         f"{_fmt(r['eager_over_graph'], '.2f')} | {_fmt(r['torch_ops_graph_ms'], '.2f')} | "
+                         f"{_fmt(r['torch_ops_over_fused'], '.2f')} | {_fmt(r['host_ms'], '.2f')} |")
     projections = [r for r in results if r["kind"] == "projection"]
     if projections:
-        lines += ["", "| shape | projection | weight | rows | cuBLAS us | cuBLAS TB/s | Triton GEMV us | GEMV TB/s "
-                      "| cuBLAS / GEMV | GEMV configuration |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in projections:
-            ratio = r["cublas_us"] / r["gemv_us"] if r["gemv_us"] else None
-            lines.append(f"| {r['shape']} | {r['name']} | {'x'.join(map(str, r['weight']))} | {r['rows']} | "
-                         f"{r['cublas_us']:.1f} | {r['cublas_tb_s']:.2f} | {_fmt(r['gemv_us'], '.1f')} | "
-                         f"{_fmt(r['gemv_tb_s'], '.2f')} | {_fmt(ratio, '.2f')} | {r['config']} |")
+        lines += ["", "| shape | projection | weight | rows | us | TB/s | of the copy bandwidth |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['name']} | {'x'.join(map(str, r['weight']))} | {r['rows']} | {r['us']:.1f} | "
+                  f"{r['tb_s']:.2f} | {_fmt(r['of_copy'], '.0%')} |" for r in projections]
     for r in results:
         if r["kind"] == "profile":
             lines += ["", f"profile, {r['shape']} batch {r['rows']}, graphs with {r['form']}: {r['kernels']} kernels, "
@@ -328,7 +306,7 @@ def run(args) -> int:
     torch.manual_seed(0)
     cuda = device.type == "cuda"
     header = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
-                  copy_tb_s=None, matmul_tflops=None, baseline=args.baseline)
+                  copy_tb_s=None, matmul_tflops=None)
     copy_bw = copy_bandwidth(device) if cuda else None
     peak = matmul_peak(device) if cuda else None
     if cuda:

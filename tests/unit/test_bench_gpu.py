@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tandem.server.model.random_weights import SHAPES
-from tandem.tools.bench_gpu import PAGE_SIZE, decode_inputs, prefill_flops, prefill_inputs
+from tandem.tools.bench_gpu import PAGE_SIZE, decode_inputs, prefill_flops, prefill_inputs, report
 
 
 def test_inputs_put_each_sequence_on_its_own_pages():
@@ -40,3 +40,12 @@ def test_bench_gpu_runs_on_cpu(tmp_path):
     assert [r["rows"] for r in decode] == [1, 3] and all(r["eager_ms"] > 0 and r["graph_ms"] is None for r in decode)
     prefill = [r for r in report["results"] if r["kind"] == "prefill"]
     assert prefill[0]["tokens"] == 64 and prefill[0]["tokens_per_s"] > 0
+
+
+def test_report_shows_each_projection_against_the_copy_bandwidth():
+    header = dict(device="NVIDIA H200", torch="2.11", copy_tb_s=4.2, matmul_tflops=767.0)
+    rows = [dict(shape="llama3-8b", kind="projection", name="o", weight=[4096, 4096], rows=1, us=22.7,
+                 tb_s=1.48, of_copy=1.48 / 4.2)]
+    text = report(header, rows)
+    assert "| llama3-8b | o | 4096x4096 | 1 | 22.7 | 1.48 | 35% |" in text
+    assert "projection" not in report(header, [])  # no table without projections
