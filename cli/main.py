@@ -407,8 +407,10 @@ def _add_bench_linear(bench_sub: argparse._SubParsersAction) -> None:
 def _add_bench_step(bench_sub: argparse._SubParsersAction) -> None:
     bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size in two forms, alternated "
                                  "in one run: native layer ops vs torch's, the KV cache on huge vs 4 KiB pages, or decode "
-                                 "attention read in place vs gathered")
-    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "weights"], default="layer-ops")
+                                 "attention read in place vs gathered, each layer as one native call vs op by op, or the "
+                                 "weights' forms")
+    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "fused-layer", "weights"],
+                       default="layer-ops")
     bstep.add_argument("--model", default=EngineConfig.model)
     bstep.add_argument("--dtype", default="auto", help="weights' dtype (as --dtype; auto: what a server picks here)")
     bstep.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="sequences decoding in the step")

@@ -32,6 +32,21 @@ class AttentionBatch:
         return sum(self.q_lens)
 
 
+@dataclass
+class PagedDecode:
+    """What a step of decodes alone reads in place, for one layer: that layer's caches [pages,
+    page_size, kv_heads, head_dim], each new token's flat slot, each sequence's page table [B, W]
+    (padded) and KV length [B] (int64), q.k's scale and the layer's window (0: none)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    scale: float
+    window: int
+
+
 class AttentionBackend(ABC):
     """Contract: `prepare(batch)` once per forward pass, before any layer; then `forward(layer, q,
     k, v)` for each layer in order. `forward` writes k and v of the new tokens into the cache at
@@ -64,6 +79,12 @@ class AttentionBackend(ABC):
         [T, num_heads + num_kv_heads, head_dim] (q's heads, then k's) is rotated by cos and sin
         ([T, 1, head_dim]) in place, its k heads and v are written into the cache, and the output
         is `forward`'s. None where the backend cannot: the caller rotates and calls `forward`."""
+        return None
+
+    def decode_in_place(self, layer: int) -> PagedDecode | None:
+        """Where the prepared batch is decodes alone and this backend reads them in place from
+        the paged cache: the operands of that read for `layer` (a fused layer's kernel then does
+        the KV store and the attention itself). None otherwise."""
         return None
 
 

@@ -66,6 +66,12 @@ def _native(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return _kernels_ready[0]
 
 
+def native_kernels(x: torch.Tensor) -> bool:
+    """Whether x (a CPU tensor in float32 or bfloat16) takes tandem's native calls here, as the
+    functions below decide it (a benchmark may turn them off)."""
+    return _native(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, n]."""
     if _native(x, weight) and x.shape[-1] % 8 == 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.attention import AttentionBackend, AttentionBatch
+from tandem.kernels.attention import AttentionBackend, AttentionBatch, PagedDecode
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 DECODE_BUCKETS = 4  # at most this many padded decode batches per layer
@@ -74,6 +74,13 @@ class TorchAttention(AttentionBackend):
             masks.update({w: masks[0] & (positions >= kv_lens - w) for w in windows})
             rows = torch.tensor([row + i - first for i in members], device=device)
             self.decode_buckets.append((rows, pages, {w: m[:, None, None, :] for w, m in masks.items()}))
+
+    def decode_in_place(self, layer: int) -> PagedDecode | None:
+        if self.in_place is None or self.in_place[0] != 0 or self.kv_cache.latent:
+            return None
+        c = self.kv_cache
+        _, pages, kv_lens = self.in_place
+        return PagedDecode(c.k[layer], c.v[layer], self.out_slots, pages, kv_lens, self.scale, self.windows[layer])
 
     def _gather(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `pages` ([...] page ids) as [..., len * page_size, kv_heads, head_dim], in

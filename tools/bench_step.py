@@ -7,6 +7,8 @@ in two forms alternated within one run so both see the same machine:
   where /sys/kernel/mm/transparent_hugepage/enabled is `always`, both get huge pages);
 - `--compare decode-attention`: decode attention read in place from the pages
   (`paged_decode_attention`) against gathering them for torch's SDPA;
+- `--compare fused-layer`: each decoder layer as one native call (`kernels.fused_decode`) against
+  the same kernels called op by op from Python;
 - `--compare weights`: the GGUF file's weights as a decode step reads them: float32 with the
   Q4 blocks in 4 bits (`--gguf-blocks 4bit`, the default), the same widened to int8, and bfloat16
   weights where the CPU multiplies bfloat16 natively (`--dtype` is ignored).
@@ -28,7 +30,7 @@ import time
 
 import torch
 
-from tandem.kernels import layer_ops
+from tandem.kernels import fused_decode, layer_ops
 from tandem.kernels.attention import AttentionBatch
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
@@ -82,6 +84,9 @@ def run(args) -> int:
                  "int8": (load_model(args.model, "float32", "cpu", gguf_blocks="int8").module, backend(True), True)}
         if _native_bf16_flags(runnable_flags()):
             forms["bfloat16"] = (load_model(args.model, "bfloat16", "cpu").module, backend(True, dtype=torch.bfloat16), True)
+    elif args.compare == "fused-layer":
+        attn = backend(True)
+        forms = {"fused": (model, attn, True), "op_by_op": (model, attn, True)}
     else:
         attn = backend(True)
         forms = {"native": (model, attn, True), "torch": (model, attn, False)}
@@ -95,12 +100,14 @@ def run(args) -> int:
         for i in range(args.steps + 2):
             for name, (form, attn, native) in forms.items():
                 layer_ops._kernels_ready[:] = [native]
+                fused_decode.use_fused_decode(name != "op_by_op")
                 start = time.perf_counter()
                 attn.prepare(batch)
                 form.logits(form(ids, positions, attn))
                 if i >= 2:  # the first two are warm-up
                     times[name].append(time.perf_counter() - start)
         layer_ops._kernels_ready[:] = [True]
+        fused_decode.use_fused_decode(True)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         first, *others = ms
         print(json.dumps({

@@ -24,6 +24,7 @@ from torch import nn
 
 from tandem.kernels.attention import AttentionBackend
 from tandem.kernels.block_linear import BlockWeights
+from tandem.kernels.fused_decode import FusedDecodeLayer
 from tandem.kernels.layer_ops import add_rms_norm, apply_rope, gelu_tanh_mul, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ROPE_TYPES, ModelConfig, yarn_mscale
@@ -100,14 +101,14 @@ def _is_norm(name: str) -> bool:
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, w: dict[str, torch.Tensor], blocks: dict[str, BlockWeights],
                  prefill_dtype: torch.dtype | None = None,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, four_bit: bool = True):
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, four_bit: bool = True):
         """`config`: this rank's share of the model; `all_reduce` sums o's and down's partial
-        outputs over the tensor-parallel ranks (the identity for one rank); `four_bit`: as `Linear`'s."""
+        outputs over the tensor-parallel ranks (None for one rank); `four_bit`: as `Linear`'s."""
         super().__init__()
         p = f"model.layers.{index}."
         self.index = index
         self.config = config
-        self.all_reduce = all_reduce
+        self.all_reduce = all_reduce or (lambda t: t)
 
         def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
             """One projection over the row-concatenation of `names`' weights."""
@@ -141,12 +142,22 @@ class DecoderLayer(nn.Module):
         if config.qk_norm:
             self.q_norm = norm("self_attn.q_norm")
             self.k_norm = norm("self_attn.k_norm")
+        # The whole layer in one native call at decode steps, where it is a plain Llama layer on one rank
+        plain = (self.mla is None and self.moe is None and self.act is silu_mul and all_reduce is None
+                 and not config.sandwich_norms and not config.qk_norm)
+        self.fused = FusedDecodeLayer.build(self.input_norm, self.mlp_norm, config.rms_norm_eps,
+                                            (self.qkv, self.o, self.gate_up, self.down), config.num_heads,
+                                            config.num_kv_heads) if plain else None
 
     def forward(self, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the residual stream; delta: the previous layer's output, not yet added to it (None
         before the first layer). Returns the same pair after this layer (the add is fused with the
         next RMSNorm)."""
+        if self.fused is not None:
+            out = self.fused(self.index, h, delta, cos, sin, attn)
+            if out is not None:
+                return h, out
         c = self.config
         if delta is None:
             x = rms_norm(h, self.input_norm, c.rms_norm_eps)
@@ -238,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         self.all_reduce = all_reduce or (lambda t: t)
         w = {k: v.to(dtype=dtype).to(compute_dtype).to(device) for k, v in weights.items() if k != "rope_freqs"}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype, self.all_reduce, four_bit)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype, all_reduce, four_bit)
                                     for i in range(config.num_layers))
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,

@@ -1,0 +1,81 @@
+// One decoder layer of a decode step on the CPU in one call, for a float32 Llama-style layer whose
+// four projections are 4-bit blocks (block_gemm_q4.cpp). The layer is the same kernels the Python
+// layer calls (tandem/server/model/llama.py, DecoderLayer.forward), in the same order on the same
+// values, so its output is bit for bit theirs; what it removes is the glue between them: ~25 calls
+// a layer through Python and torch's dispatcher (views, splits, the KV store's index_put, ...),
+// which cost more than the small steps themselves at a decode step's one to eight rows.
+// Registered as torch.ops.tandem.decode_layer_q4.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+
+#include "ops.h"
+
+namespace {
+
+// A projection's 4-bit weight as three tensors: [q, scale, offset] (block_gemm_q4's operands).
+at::Tensor project(const at::Tensor& x, at::TensorList w, const char* name) {
+  TORCH_CHECK(w.size() == 3, name, " must be [q, scale, offset], got ", w.size(), " tensors");
+  return block_gemm_q4(x, w[0], w[1], w[2], 0, -1);
+}
+
+// Row t of src [T, width] (rows `ld` apart) into flat slot slots[t] of cache [slots, width].
+void store_rows(const float* src, int64_t ld, int64_t T, int64_t width, const int64_t* slots, float* cache) {
+  for (int64_t t = 0; t < T; ++t) std::memcpy(cache + slots[t] * width, src + t * ld, width * sizeof(float));
+}
+
+}  // namespace
+
+// h [T, hidden] the residual stream; delta the previous layer's output not yet added to it (None
+// before the first layer): h += delta in place. Then attention over the paged cache (k_cache and
+// v_cache [pages, page_size, kv_heads, head_dim], this layer's; the new tokens' K and V written at
+// flat `slots` first; page_table [T, W] and kv_lens [T] as paged_decode_attention takes them) and
+// the MLP. Returns the layer's output, the next layer's delta.
+at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+                           const at::Tensor& mlp_norm, double eps, at::TensorList qkv, at::TensorList o,
+                           at::TensorList gate_up, at::TensorList down, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                           const at::Tensor& page_table, const at::Tensor& kv_lens, int64_t num_heads,
+                           int64_t num_kv_heads, double scale, int64_t window) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be contiguous float32 [T, hidden]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous float32 [pages, page_size, kv_heads, head_dim]");
+  const int64_t T = h.size(0), H = num_heads, KVH = num_kv_heads, D = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == KVH, "k_cache has ", k_cache.size(2), " kv heads, num_kv_heads is ", KVH);
+  TORCH_CHECK(slots.numel() == T && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be contiguous int64 [", T, "]");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slots[", t, "] = ", sp[t], " is outside the cache's ", num_slots);
+
+  const at::Tensor x = delta.has_value() ? add_rms_norm_(h, *delta, input_norm, eps) : rms_norm(h, input_norm, eps);
+  const at::Tensor qkv_out = project(x, qkv, "qkv");  // [T, (H + 2 KVH) D]: q's heads, k's, v's
+  const int64_t row = qkv_out.size(1);
+  TORCH_CHECK(row == (H + 2 * KVH) * D, "qkv gives rows of ", row, ", not (num_heads + 2 num_kv_heads) head_dim = ",
+              (H + 2 * KVH) * D);
+  at::Tensor qk = qkv_out.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D});
+  rope_(qk, cos, sin);
+  const float* qkv_p = qkv_out.data_ptr<float>();
+  store_rows(qkv_p + H * D, row, T, KVH * D, sp, k_cache.data_ptr<float>());
+  store_rows(qkv_p + (H + KVH) * D, row, T, KVH * D, sp, v_cache.data_ptr<float>());
+  const at::Tensor attended = paged_decode_attention(qkv_out.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache,
+                                                     page_table, kv_lens, scale, window);
+  const at::Tensor x2 = add_rms_norm_(h, project(attended.view({T, H * D}), o, "o"), mlp_norm, eps);
+  return project(silu_mul(project(x2, gate_up, "gate_up")), down, "down");
+}
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("decode_layer_q4(Tensor(a!) h, Tensor? delta, Tensor input_norm, Tensor mlp_norm, float eps, Tensor[] qkv, "
+        "Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slots, Tensor page_table, Tensor kv_lens, int num_heads, int num_kv_heads, float scale, int window) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("decode_layer_q4", &decode_layer_q4);
+}

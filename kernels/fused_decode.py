@@ -1,0 +1,64 @@
+"""A decoder layer's whole decode step in one native call (`csrc/decode_layer.cpp`), where the
+layer and the step allow it: float32 on a CPU that runs tandem's kernels, the four projections in
+4-bit blocks without biases (`Linear` over `Nibbles`), a plain Llama layer (SiLU MLP, no extra
+norms, one rank), and a step of decodes alone that the attention backend reads in place from the
+paged cache (`AttentionBackend.decode_in_place`), of at most `BLOCK_MAX_ROWS` rows.
+
+The call runs the kernels the Python layer runs, in the same order, on the same values: its output
+equals that layer's bit for bit (tests/unit/test_fused_decode.py). What it saves is the glue: ~25
+calls per layer through Python and torch's dispatcher, most of the serial time of a one-sequence
+decode step on a small model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels import layer_ops
+from tandem.kernels.attention import AttentionBackend
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, Nibbles
+from tandem.kernels.linear import Linear
+
+_enabled = [True]
+
+
+def use_fused_decode(enabled: bool) -> None:
+    """Whether layers that can take the fused call do (the default), or run op by op (a baseline
+    to measure and test against)."""
+    _enabled[0] = enabled
+
+
+class FusedDecodeLayer:
+    """The fixed operands of one layer's `decode_layer_q4` call (`build`), called per step."""
+
+    def __init__(self, input_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float,
+                 projections: tuple[Linear, Linear, Linear, Linear], num_heads: int, num_kv_heads: int):
+        self.input_norm, self.mlp_norm, self.eps = input_norm, mlp_norm, eps
+        self.qkv, self.o, self.gate_up, self.down = ([p.blocks.q, p.blocks.scale, p.blocks.offset] for p in projections)
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+
+    @staticmethod
+    def build(input_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float,
+              projections: tuple[Linear, Linear, Linear, Linear], num_heads: int,
+              num_kv_heads: int) -> FusedDecodeLayer | None:
+        """The fused form of a layer with these parts, or None where they do not allow it (the
+        projections not all 4-bit blocks without bias, the norms not float32 on the CPU)."""
+        if not all(isinstance(p.blocks, Nibbles) and p.bias is None for p in projections):
+            return None
+        if input_norm.device.type != "cpu" or input_norm.dtype != torch.float32:
+            return None
+        return FusedDecodeLayer(input_norm, mlp_norm, eps, projections, num_heads, num_kv_heads)
+
+    def __call__(self, layer: int, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor | None:
+        """The layer's output for this step (h updated in place as `DecoderLayer.forward` updates
+        it), or None where the step does not fit: the caller runs the layer op by op."""
+        if not _enabled[0] or h.shape[0] > BLOCK_MAX_ROWS or not layer_ops.native_kernels(h):
+            return None
+        paged = attn.decode_in_place(layer)
+        if paged is None or paged.k_cache.dtype != torch.float32 or not cos.is_contiguous():
+            return None
+        return torch.ops.tandem.decode_layer_q4(
+            h, delta, self.input_norm, self.mlp_norm, self.eps, self.qkv, self.o, self.gate_up, self.down, cos, sin,
+            paged.k_cache, paged.v_cache, paged.slots, paged.page_table, paged.kv_lens, self.num_heads,
+            self.num_kv_heads, paged.scale, paged.window)
