@@ -13,6 +13,7 @@ import torch
 
 from tandem.common.cpu import cpu_flags
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Nibbles, block_gemm, block_gemm_q4
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import Linear
 from tandem.server.model.loader import gguf_block_parts
 
@@ -20,6 +21,12 @@ from support.blocks import assert_float32_product, random_blocks
 
 HAS_AVX512 = all(flag in cpu_flags() for flag in ("avx512f", "avx512bw"))
 Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels():
+    """The kernels built and loaded, whichever test runs first."""
+    assert cpu_ops_unavailable() is None, cpu_ops_unavailable()
 
 
 def from_gguf(qtype, n: int, k: int, seed: int) -> tuple[BlockWeights, torch.Tensor]:
@@ -64,10 +71,13 @@ def test_the_avx2_kernel_gives_block_gemms_products_bit_for_bit(rows, qtype, k):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_the_avx512_kernel_gives_float32_products(rows, qtype):
-    blocks, w = from_gguf(qtype, 1000, 1536, seed=rows)
+@pytest.mark.parametrize("k", [576, 1536])
+def test_the_avx512_kernel_gives_float32_products(rows, qtype, k):
+    # 1003 weight rows: chunks of 64, then 43 = 10 passes of 4 rows side by side and 3 single rows;
+    # K = 576 is 18 blocks, a group of 16 and one of 2
+    blocks, w = from_gguf(qtype, 1003, k, seed=rows)
     nibbles = Nibbles.pack(blocks)
-    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     if not HAS_AVX512:
         with pytest.raises(RuntimeError, match="avx512=1 on a CPU without AVX-512 F and BW"):
             block_gemm_q4(x, nibbles, avx512=1)
