@@ -67,7 +67,9 @@ void tile_avx2(const float* x, int64_t K, const uint8_t* q, const uint16_t* scal
 
 // The same with AVX-512: one block's 32 weights in two registers, the low 16 looked up from its 16
 // values (vpermps reads only the low 4 bits of each index, so they need no mask), the high 16
-// shifted down and converted; scales and offsets are widened 16 blocks at a time, not one by one.
+// shifted down and converted; scales and offsets are widened 16 blocks at a time, not one by one. With
+// one or two rows of x, blocks alternate between two pairs of sums, so that a block's multiply-adds
+// wait on the block before last, not the last (the sums' latency, not the loads, bounded the loop).
 TANDEM_AVX512_TARGET inline void rebuild_block(const uint8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 table = _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
@@ -76,86 +78,52 @@ TANDEM_AVX512_TARGET inline void rebuild_block(const uint8_t* qb, float scale, f
   w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), _mm512_set1_ps(scale), _mm512_set1_ps(offset));
 }
 
-constexpr int64_t kGroup = 16;  // blocks whose scales and offsets are widened together
-
-// One or two rows of x (a decode step of one or two sequences): R weight rows [n, n + R) go through
-// the blocks side by side. x's block is loaded once for the R rows, the R rows' sums are independent
-// chains of multiply-adds, and what a weight row costs beyond its blocks (loop exits, widening its
-// scales, the final horizontal sum) is paid once per R rows: at K = 576 (SmolLM2's q|k|v, o and
-// gate|up) that was a large share. All 121 projections at one row took 0.84-0.88x the time of one
-// weight row at a time with two pairs of sums (the previous form), at two rows 0.89-0.93x; from
-// three rows up that form is as fast or faster, and is kept below.
-template <int MT, int R>
-TANDEM_AVX512_TARGET inline void rows_avx512(const float* x, int64_t K, const uint8_t* q, const uint16_t* scale,
-                                             const uint16_t* offset, float* y, int64_t N, int64_t n) {
-  const int64_t nb = K / kBlock;
-  alignas(64) float s[R][kGroup], o[R][kGroup];
-  __m512 acc[MT][R][2];
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < nb; g += kGroup) {
-    const int64_t size = std::min(kGroup, nb - g);
-    const __mmask16 valid = static_cast<__mmask16>((1u << size) - 1);
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(s[r], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale + (n + r) * nb + g)));
-      _mm512_store_ps(o[r], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, offset + (n + r) * nb + g)));
-    }
-    for (int64_t i = 0; i < size; ++i) {
-      const int64_t b = g + i;
-      __m512 x0[MT], x1[MT];
-      for (int m = 0; m < MT; ++m) {
-        x0[m] = _mm512_loadu_ps(x + m * K + b * kBlock);
-        x1[m] = _mm512_loadu_ps(x + m * K + b * kBlock + 16);
-      }
-      for (int r = 0; r < R; ++r) {
-        __m512 w0, w1;
-        rebuild_block(q + (n + r) * (K / 2) + b * kBlockBytes, s[r][i], o[r][i], w0, w1);
-        for (int m = 0; m < MT; ++m) {
-          acc[m][r][0] = _mm512_fmadd_ps(w0, x0[m], acc[m][r][0]);
-          acc[m][r][1] = _mm512_fmadd_ps(w1, x1[m], acc[m][r][1]);
-        }
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) y[m * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][r][0], acc[m][r][1]));
-}
-
-// Three rows of x or more: one weight row at a time (the rows of x give the multiply-adds their
-// independent chains).
 template <int MT>
 TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const uint8_t* q, const uint16_t* scale,
                                       const uint16_t* offset, float* y, int64_t N, int64_t n0, int64_t n1) {
-  if constexpr (MT <= 2) {
-    constexpr int R = 4;
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) rows_avx512<MT, R>(x, K, q, scale, offset, y, N, n);
-    for (; n < n1; ++n) rows_avx512<MT, 1>(x, K, q, scale, offset, y, N, n);
-    return;
-  }
+  constexpr int P = MT <= 2 ? 2 : 1;  // pairs of sums per row of x
+  constexpr int64_t kGroup = 16;      // blocks whose scales and offsets are widened together
   const int64_t nb = K / kBlock;
   alignas(64) float s[kGroup], o[kGroup];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qn = q + n * (K / 2);
-    __m512 acc[MT][2];
-    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    __m512 acc[MT][P][2];
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb; g += kGroup) {
       const int64_t size = std::min(kGroup, nb - g);
       const __mmask16 valid = static_cast<__mmask16>((1u << size) - 1);
       _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale + n * nb + g)));
       _mm512_store_ps(o, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, offset + n * nb + g)));
-      for (int64_t i = 0; i < size; ++i) {
+      int64_t i = 0;
+      for (; i + P <= size; i += P) {
+        for (int p = 0; p < P; ++p) {
+          const int64_t b = g + i + p;
+          __m512 w0, w1;
+          rebuild_block(qn + b * kBlockBytes, s[i + p], o[i + p], w0, w1);
+          for (int m = 0; m < MT; ++m) {
+            const float* xb = x + m * K + b * kBlock;
+            acc[m][p][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][p][0]);
+            acc[m][p][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][p][1]);
+          }
+        }
+      }
+      for (; i < size; ++i) {  // an odd block at the end of a group
         const int64_t b = g + i;
         __m512 w0, w1;
         rebuild_block(qn + b * kBlockBytes, s[i], o[i], w0, w1);
         for (int m = 0; m < MT; ++m) {
           const float* xb = x + m * K + b * kBlock;
-          acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][0]);
-          acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][1]);
+          acc[m][0][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][0][0]);
+          acc[m][0][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][0][1]);
         }
       }
     }
-    for (int m = 0; m < MT; ++m) y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    for (int m = 0; m < MT; ++m) {
+      __m512 t = _mm512_add_ps(acc[m][0][0], acc[m][0][1]);
+      if (P > 1) t = _mm512_add_ps(t, _mm512_add_ps(acc[m][P - 1][0], acc[m][P - 1][1]));
+      y[m * N + n] = _mm512_reduce_add_ps(t);
+    }
   }
 }
 
