@@ -73,7 +73,7 @@ def test_the_avx2_kernel_gives_block_gemms_products_bit_for_bit(rows, qtype, k):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 @pytest.mark.parametrize("k", [576, 1536])
 def test_the_avx512_kernel_gives_float32_products(rows, qtype, k):
-    # 1003 weight rows: chunks of 64, then 43 = 10 passes of 4 rows side by side and 3 single rows;
+    # 1003 weight rows: chunks of 64 and a remainder of 43;
     # K = 576 is 18 blocks, a group of 16 and one of 2
     blocks, w = from_gguf(qtype, 1003, k, seed=rows)
     nibbles = Nibbles.pack(blocks)
