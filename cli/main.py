@@ -407,9 +407,10 @@ def _add_bench_linear(bench_sub: argparse._SubParsersAction) -> None:
 def _add_bench_step(bench_sub: argparse._SubParsersAction) -> None:
     bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size in two forms, alternated "
                                  "in one run: native layer ops vs torch's, the KV cache on huge vs 4 KiB pages, or decode "
-                                 "attention read in place vs gathered, each layer as one native call vs op by op, or the "
-                                 "weights' forms")
-    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "fused-layer", "weights"],
+                                 "attention read in place vs gathered, each layer as one native call vs op by op, the "
+                                 "weights' forms, or (a prefill pass) prompt attention in bfloat16 vs float32")
+    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "fused-layer",
+                                             "prompt-attention", "weights"],
                        default="layer-ops")
     bstep.add_argument("--model", default=EngineConfig.model)
     bstep.add_argument("--dtype", default="auto", help="weights' dtype (as --dtype; auto: what a server picks here)")

@@ -22,8 +22,14 @@ DECODE_BUCKET_MIN = 8  # ... each of at least this many sequences
 
 
 class TorchAttention(AttentionBackend):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, prompt_dtype: torch.dtype | None = None, **kwargs):
+        """`prompt_dtype`: prompt pieces' attention (SDPA over their gathered pages) computes in
+        it, the output returned in q's dtype; None: in q's. A float32 model whose prompt products
+        run in bfloat16 (`--prefill-dtype`) has its prompt attention run in bfloat16 too: on a CPU
+        with AVX512-BF16, SDPA over a 512-token prompt took 0.44x float32's time (1.62 against 3.67
+        ms a layer, SmolLM2's 9 heads). Decodes keep q's dtype."""
         super().__init__(*args, **kwargs)
+        self.prompt_dtype = prompt_dtype
         c = self.kv_cache
         self.in_place_decode = (c.device.type == "cpu" and c.dtype in (torch.float32, torch.bfloat16)
                                 and cpu_ops_unavailable() is None)
@@ -98,10 +104,11 @@ class TorchAttention(AttentionBackend):
         window = self.windows[layer]
         c = self.kv_cache
         out = q.new_empty(*q.shape[:2], c.value_dim or q.shape[2])
+        dtype = self.prompt_dtype or q.dtype
         for row, q_len, kv_len, pages, views in self.extends:
             lo, mask = views[window]
-            ki, vi = self._gather(layer, pages, q.dtype)
-            qi = q[row : row + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            ki, vi = self._gather(layer, pages, dtype)
+            qi = q[row : row + q_len].to(dtype).transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             ki = ki[lo:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv_len - lo, D]
             vi = vi[lo:kv_len].transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(

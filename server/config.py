@@ -26,7 +26,7 @@ class EngineConfig:
         "or AMX, else float32")
     prefill_dtype: Literal["auto", "float32", "bfloat16"] = opt(
         "auto", "for float32 weights on a CPU: the dtype of projections over many rows (prefill chunks, decode "
-        "steps of 5+ requests); auto: bfloat16 where --dtype is auto and the CPU multiplies it natively, else float32 (exact)")
+        "steps of 5+ requests) and of prompt pieces' attention; auto: bfloat16 where --dtype is auto and the CPU multiplies it natively, else float32 (exact)")
     gguf_blocks: Literal["4bit", "int8"] = opt(
         "4bit", "for float32 weights on a CPU: the form a GGUF file's Q4_0/Q4_1 blocks decode from; 4bit keeps them "
         "as the file does (0.625 bytes a weight), int8 widens them (1.25); both rebuild the file's values exactly")

@@ -9,6 +9,9 @@ in two forms alternated within one run so both see the same machine:
   (`paged_decode_attention`) against gathering them for torch's SDPA;
 - `--compare fused-layer`: each decoder layer as one native call (`kernels.fused_decode`) against
   the same kernels called op by op from Python;
+- `--compare prompt-attention`: a prefill pass instead (`rows` prompts of `--context` tokens), its
+  prompt attention in the bfloat16 of a float32 model's prompt products (`--prefill-dtype`) against
+  float32;
 - `--compare weights`: the GGUF file's weights as a decode step reads them: float32 with the
   Q4 blocks in 4 bits (`--gguf-blocks 4bit`, the default), the same widened to int8, and bfloat16
   weights where the CPU multiplies bfloat16 natively (`--dtype` is ignored).
@@ -49,6 +52,16 @@ def decode_batch(rows: int, context: int, num_pages: int, rng: random.Random) ->
                           out_slots=torch.tensor(slots))
 
 
+def prefill_batch(rows: int, length: int, num_pages: int, rng: random.Random) -> AttentionBatch:
+    """`rows` prompts of `length` tokens each, nothing cached, on random pages."""
+    per_seq = -(-length // PAGE_SIZE)
+    pages = rng.sample(range(num_pages), rows * per_seq)
+    tables = [pages[i * per_seq : (i + 1) * per_seq] for i in range(rows)]
+    slots = [s for t in tables for s in flat_slots(t, 0, length, PAGE_SIZE)]
+    return AttentionBatch(q_lens=[length] * rows, kv_lens=[length] * rows, page_tables=tables, num_extends=rows,
+                          out_slots=torch.tensor(slots))
+
+
 def run(args) -> int:
     from tandem.server.model import load_model
 
@@ -60,12 +73,14 @@ def run(args) -> int:
     if loaded.compute_dtype not in (torch.float32, torch.bfloat16):
         raise SystemExit(f"tandem's native kernels take float32 or bfloat16; this model computes in {loaded.compute_dtype}")
 
-    def backend(huge_pages: bool, cache: PagedKVCache | None = None, dtype: torch.dtype = loaded.compute_dtype) -> TorchAttention:
+    def backend(huge_pages: bool, cache: PagedKVCache | None = None, dtype: torch.dtype = loaded.compute_dtype,
+                prompt_dtype: torch.dtype | None = None) -> TorchAttention:
         if cache is None:
             cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.kv_heads, c.kv_dim,
                                  dtype, torch.device("cpu"), huge_pages=huge_pages, value_dim=c.kv_value_dim)
             cache.buffer.normal_()
-        return TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
+        return TorchAttention(cache, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows,
+                              prompt_dtype=prompt_dtype)
 
     if args.compare == "kv-pages":
         huge, small = backend(True), backend(False)
@@ -84,6 +99,12 @@ def run(args) -> int:
                  "int8": (load_model(args.model, "float32", "cpu", gguf_blocks="int8").module, backend(True), True)}
         if _native_bf16_flags(runnable_flags()):
             forms["bfloat16"] = (load_model(args.model, "bfloat16", "cpu").module, backend(True, dtype=torch.bfloat16), True)
+    elif args.compare == "prompt-attention":
+        if model.prefill_dtype is None:
+            raise SystemExit(f"--compare prompt-attention needs a float32 model with bfloat16 prompt products "
+                             f"(--prefill-dtype); this one computes in {loaded.compute_dtype} throughout")
+        bf16 = backend(True, prompt_dtype=model.prefill_dtype)
+        forms = {"bfloat16": (model, bf16, True), "float32": (model, backend(True, bf16.kv_cache), True)}
     elif args.compare == "fused-layer":
         attn = backend(True)
         forms = {"fused": (model, attn, True), "op_by_op": (model, attn, True)}
@@ -93,9 +114,16 @@ def run(args) -> int:
     rng = random.Random(0)
     num_pages = args.kv_tokens // PAGE_SIZE
     for rows in args.rows:
-        batch = decode_batch(rows, args.context, num_pages, rng)
-        ids = torch.tensor([rng.randrange(c.vocab_size) for _ in range(rows)])
-        positions = torch.full((rows,), args.context)
+        if args.compare == "prompt-attention":
+            batch = prefill_batch(rows, args.context, num_pages, rng)
+            ids = torch.tensor([rng.randrange(c.vocab_size) for _ in range(rows * args.context)])
+            positions = torch.arange(args.context).repeat(rows)
+            sampled = torch.arange(1, rows + 1) * args.context - 1  # each prompt's last token, as a server samples
+        else:
+            batch = decode_batch(rows, args.context, num_pages, rng)
+            ids = torch.tensor([rng.randrange(c.vocab_size) for _ in range(rows)])
+            positions = torch.full((rows,), args.context)
+            sampled = torch.arange(rows)
         times: dict[str, list[float]] = {name: [] for name in forms}
         for i in range(args.steps + 2):
             for name, (form, attn, native) in forms.items():
@@ -103,7 +131,7 @@ def run(args) -> int:
                 fused_decode.use_fused_decode(name != "op_by_op")
                 start = time.perf_counter()
                 attn.prepare(batch)
-                form.logits(form(ids, positions, attn))
+                form.logits(form(ids, positions, attn)[sampled])
                 if i >= 2:  # the first two are warm-up
                     times[name].append(time.perf_counter() - start)
         layer_ops._kernels_ready[:] = [True]

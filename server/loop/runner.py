@@ -95,7 +95,7 @@ class ModelRunner:
         self.peers = peers
         c = model.config
         self.attn = create_backend(attention_backend, kv_cache, c.num_heads, c.head_dim, c.softmax_scale,
-                                   c.layer_windows)
+                                   c.layer_windows, prompt_dtype=model.prefill_dtype)
         self.graphs: DecodeGraphs | None = None  # set by the engine once captured
         self._sampled: dict[str, int] = {}  # rid -> token the last pass sampled (for FUTURE_TOKENs)
 

@@ -109,7 +109,8 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, device: torch.device) -> tuple[str, str]:
     """The dtype of projections over many rows, and why. Only float32 weights on a CPU have a
     choice: bfloat16 there rounds the inputs of prefill products and of decode steps of 5 rows or
-    more (`tandem.kernels.linear`; not the KV cache, attention or smaller decode steps), for two to
+    more (`tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not the KV
+    cache, decode attention or smaller decode steps), for two to
     three times float32's speed on AVX512-BF16. `auto` takes it only where `--dtype` was auto too,
     so that `--dtype float32` stays exact."""
     if dtype != "float32" or device.type != "cpu":

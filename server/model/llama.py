@@ -244,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
             weights = {k: v + 1 if _is_norm(k) else v for k, v in weights.items()}
         self.config = config
         self.shard = shard
+        self.prefill_dtype = prefill_dtype  # where set, prompt attention computes in it too (create_backend)
         if shard.size > 1 and all_reduce is None:
             raise ValueError(f"tensor-parallel rank {shard.rank} of {shard.size} needs an all_reduce")
         self.all_reduce = all_reduce or (lambda t: t)

@@ -244,7 +244,8 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
         c = model.module.config
         kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.kv_heads, c.kv_dim, model.compute_dtype,
                           model.device, value_dim=c.kv_value_dim)
-        attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows)
+        attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows,
+                              prompt_dtype=model.module.prefill_dtype)
         transfer, part = None, None
         if spec.role != "colocated":
             from tandem.server.disagg.transfer import MooncakeTransfer

@@ -1,7 +1,7 @@
 """The one inexact fast path of float32 serving: projections over many rows in bfloat16
 (`--prefill-dtype`, auto on CPUs with AVX512-BF16): prefill chunks and decode batches of more than
 8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF int8
-blocks (`block_gemm_bf16`, where the CPU has AVX512-BF16). Against HF transformers in float32 on the
+blocks (`block_gemm_bf16`, where the CPU has AVX512-BF16); and the attention of prompt pieces. Against HF transformers in float32 on the
 same GGUF weights: teacher-forced logits within TOLERANCE, and greedy output equal up to the first
 position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
 so it runs on every CPU (the copy's products emulated where bfloat16 is not native: slower, within

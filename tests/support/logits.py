@@ -17,7 +17,7 @@ def teacher_forced_logits(loaded, ids: list[int], piece: int | None = None, deco
     pages = list(range(-(-len(ids) // page_size)))
     cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.compute_dtype,
                          loaded.device)
-    attn = create_backend("torch", cache, c.num_heads, c.head_dim)
+    attn = create_backend("torch", cache, c.num_heads, c.head_dim, prompt_dtype=loaded.module.prefill_dtype)
     prompt = len(ids) - decode_steps
     piece = piece or prompt
     steps = [(start, min(start + piece, prompt), True) for start in range(0, prompt, piece)]

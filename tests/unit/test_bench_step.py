@@ -55,3 +55,27 @@ def test_bench_step_compares_decode_attention(dtype):
     assert line["compare"] == "decode-attention" and line["in_place_ms"] > 0 and line["gathered_ms"] > 0
     # bfloat16 stays bfloat16 where the CPU multiplies it natively, else it computes in float32
     assert line["dtype"] in ({dtype, "float32"} if dtype == "bfloat16" else {"float32"})
+
+
+def test_bench_step_compares_fused_layers_with_op_by_op():
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--compare", "fused-layer",
+                           "--rows", "1", "--context", "20", "--steps", "1", "--kv-tokens", "1024"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["compare"] == "fused-layer" and line["fused_ms"] > 0 and line["op_by_op_ms"] > 0
+
+
+def test_bench_step_compares_prompt_attention_where_prompts_run_in_bfloat16():
+    from tandem.server.model import _native_bf16_flags, runnable_flags
+
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--compare", "prompt-attention",
+                           "--rows", "2", "--context", "40", "--steps", "1", "--kv-tokens", "1024"],
+                          capture_output=True, text=True, timeout=300)
+    if not _native_bf16_flags(runnable_flags()):  # auto keeps float32 prompts there: nothing to compare
+        assert proc.returncode != 0 and "needs a float32 model with bfloat16 prompt products" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["compare"] == "prompt-attention" and line["rows"] == 2 and line["context"] == 40
+    assert line["bfloat16_ms"] > 0 and line["float32_ms"] > 0

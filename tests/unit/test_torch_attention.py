@@ -103,6 +103,42 @@ def test_matches_dense_attention(page_size, cache_dtype, decodes, window):
         row += new
 
 
+def test_prompt_pieces_compute_in_the_prompt_dtype_and_decodes_do_not():
+    """A float32 model with bfloat16 prompt products (`--prefill-dtype bfloat16`): its prompt
+    pieces' attention runs in bfloat16 (within bfloat16's rounding of the float32 result, returned in
+    float32), its decodes exactly as without it."""
+    torch.manual_seed(1)
+    shapes = [(0, 40), (24, 30), (50, 1), (7, 1)]  # two prompt pieces (one after a cached prefix), two decodes
+    outs = {}
+    for prompt_dtype in (None, torch.bfloat16):
+        cache = PagedKVCache(1, 64, 16, KVH, D, torch.float32, torch.device("cpu"))
+        pages = iter(random.Random(3).sample(range(64), 64))
+        tables, slots, news = [], [], []
+        gen = torch.Generator().manual_seed(5)
+        for prefix, new in shapes:
+            table = [next(pages) for _ in range(-(-(prefix + new) // 16))]
+            k, v = torch.randn(prefix + new, KVH, D, generator=gen), torch.randn(prefix + new, KVH, D, generator=gen)
+            if prefix:
+                cache.write(0, torch.tensor(flat_slots(table, 0, prefix, 16)), k[:prefix], v[:prefix])
+            tables.append(table)
+            slots += flat_slots(table, prefix, prefix + new, 16)
+            news.append((prefix, k, v, torch.randn(new, H, D, generator=gen)))
+        backend = TorchAttention(cache, H, D, D**-0.5, prompt_dtype=prompt_dtype)
+        backend.prepare(AttentionBatch([n for _, n in shapes], [p + n for p, n in shapes], tables, 2, torch.tensor(slots)))
+        q = torch.cat([qi for *_, qi in news])
+        out = backend.forward(0, q, torch.cat([k[p:] for p, k, _, _ in news]), torch.cat([v[p:] for p, _, v, _ in news]))
+        assert out.dtype == torch.float32
+        outs[prompt_dtype] = out
+        row = 0
+        for (prefix, k, v, qi), (_, new) in zip(news, shapes):
+            tol = 2e-2 if prompt_dtype is not None and new > 1 else 1e-5
+            torch.testing.assert_close(out[row : row + new], dense_attention(qi, k, v, prefix), atol=tol, rtol=tol)
+            row += new
+    prompt_rows = 70
+    assert torch.equal(outs[None][prompt_rows:], outs[torch.bfloat16][prompt_rows:])  # decodes: untouched
+    assert not torch.equal(outs[None][:prompt_rows], outs[torch.bfloat16][:prompt_rows])  # prompts: rounded
+
+
 def test_fresh_cache_is_finite_everywhere():
     cache = PagedKVCache(2, 8, 4, KVH, D, torch.bfloat16, torch.device("cpu"))
     assert all(torch.isfinite(t).all() for t in cache.k + cache.v)
