@@ -13,6 +13,17 @@ from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.tools.bench_step import PAGE_SIZE, decode_batch
 
 
+def bench_step(*flags: str) -> subprocess.CompletedProcess:
+    """`tandem bench step` with these flags (one timed step of tiny sizes)."""
+    return subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--steps", "1", *flags],
+                          capture_output=True, text=True, timeout=300)
+
+
+def last_line(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_decode_batch_puts_each_sequence_on_its_own_pages():
     batch = decode_batch(rows=3, context=40, num_pages=64, rng=random.Random(1))
     pages = [p for table in batch.page_tables for p in table]
@@ -22,60 +33,45 @@ def test_decode_batch_puts_each_sequence_on_its_own_pages():
 
 
 def test_bench_step_reports_native_and_torch_steps():
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--rows", "2", "--context", "20",
-                           "--steps", "1", "--kv-tokens", "1024"], capture_output=True, text=True, timeout=300)
+    proc = bench_step("--rows", "2", "--context", "20", "--kv-tokens", "1024")
     if (why := cpu_ops_unavailable()) is not None:
         assert proc.returncode != 0 and why in proc.stderr, proc.stderr
         return
-    assert proc.returncode == 0, proc.stderr
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = last_line(proc)
     assert line["rows"] == 2 and line["native_ms"] > 0 and line["torch_ms"] > 0
     assert line["native_vs_torch"] == pytest.approx(line["native_ms"] / line["torch_ms"], rel=0.02)
 
 
 def test_bench_step_compares_kv_pages():
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--compare", "kv-pages",
-                           "--rows", "1", "--context", "20", "--steps", "1", "--kv-tokens", "8192"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = last_line(bench_step("--compare", "kv-pages", "--rows", "1", "--context", "20", "--kv-tokens", "8192"))
     assert line["compare"] == "kv-pages" and line["huge_pages_ms"] > 0 and line["4k_pages_ms"] > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bench_step_compares_decode_attention(dtype):
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--compare", "decode-attention",
-                           "--dtype", dtype, "--rows", "2", "--context", "20", "--steps", "1", "--kv-tokens", "1024"],
-                          capture_output=True, text=True, timeout=300)
+    proc = bench_step("--compare", "decode-attention", "--dtype", dtype, "--rows", "2", "--context", "20",
+                      "--kv-tokens", "1024")
     if (why := cpu_ops_unavailable()) is not None:
         assert proc.returncode != 0 and why in proc.stderr, proc.stderr
         return
-    assert proc.returncode == 0, proc.stderr
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = last_line(proc)
     assert line["compare"] == "decode-attention" and line["in_place_ms"] > 0 and line["gathered_ms"] > 0
     # bfloat16 stays bfloat16 where the CPU multiplies it natively, else it computes in float32
     assert line["dtype"] in ({dtype, "float32"} if dtype == "bfloat16" else {"float32"})
 
 
 def test_bench_step_compares_fused_layers_with_op_by_op():
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--compare", "fused-layer",
-                           "--rows", "1", "--context", "20", "--steps", "1", "--kv-tokens", "1024"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = last_line(bench_step("--compare", "fused-layer", "--rows", "1", "--context", "20", "--kv-tokens", "1024"))
     assert line["compare"] == "fused-layer" and line["fused_ms"] > 0 and line["op_by_op_ms"] > 0
 
 
 def test_bench_step_compares_prompt_attention_where_prompts_run_in_bfloat16():
     from tandem.server.model import _native_bf16_flags, runnable_flags
 
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "step", "--compare", "prompt-attention",
-                           "--rows", "2", "--context", "40", "--steps", "1", "--kv-tokens", "1024"],
-                          capture_output=True, text=True, timeout=300)
+    proc = bench_step("--compare", "prompt-attention", "--rows", "2", "--context", "40", "--kv-tokens", "1024")
     if not _native_bf16_flags(runnable_flags()):  # auto keeps float32 prompts there: nothing to compare
         assert proc.returncode != 0 and "needs a float32 model with bfloat16 prompt products" in proc.stderr
         return
-    assert proc.returncode == 0, proc.stderr
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = last_line(proc)
     assert line["compare"] == "prompt-attention" and line["rows"] == 2 and line["context"] == 40
     assert line["bfloat16_ms"] > 0 and line["float32_ms"] > 0
