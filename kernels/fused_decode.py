@@ -5,7 +5,7 @@ norms, one rank), and a step of decodes alone that the attention backend reads i
 paged cache (`AttentionBackend.decode_in_place`), of at most `BLOCK_MAX_ROWS` rows.
 
 The call runs the kernels the Python layer runs, in the same order, on the same values: its output
-equals that layer's bit for bit (tests/unit/test_fused_decode.py). What it saves is the glue: ~25
+equals that layer's bit for bit (tests/engine/test_fused_decode.py). What it saves is the glue: ~25
 calls per layer through Python and torch's dispatcher, most of the serial time of a one-sequence
 decode step on a small model.
 """
