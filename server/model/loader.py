@@ -4,6 +4,7 @@ come out under HF parameter names, in float32, on the CPU."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -124,6 +125,21 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+def _gguf_reader(path: Path):
+    """gguf's reader of `path`, parsed once per process while the file is unchanged: its constructor
+    reads every metadata field element by element (a vocabulary of 49,152 tokens and their merges:
+    about 3 s of a model load here), and a load reads the file twice (weights, then blocks)."""
+    stat = path.stat()
+    return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def _gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:
@@ -139,7 +155,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _load_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
-    reader = gguf.GGUFReader(str(source.path))
+    reader = _gguf_reader(source.path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         also = f" (tandem runs {arch} from a HF safetensors directory)" if arch in SUPPORTED_ARCHITECTURES else ""
@@ -237,7 +253,7 @@ def load_block_weights(source: ModelSource, config: ModelConfig) -> dict[str, Bl
 
     Q = gguf.GGMLQuantizationType
     blocks: dict[str, BlockWeights] = {}
-    for t in gguf.GGUFReader(str(source.path)).tensors:
+    for t in _gguf_reader(source.path).tensors:
         if t.tensor_type not in (Q.Q8_0, Q.Q4_0, Q.Q4_1) or len(t.shape) != 2:
             continue
         key, heads = _gguf_key(source, config, t.name)
