@@ -10,6 +10,7 @@ from tandem.common.cpu import cpu_flags
 from tandem.kernels import isa
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
+
 def test_a_probe_that_faults_names_the_signal_and_the_parent_lives_on():
     assert cpu_ops_unavailable() is None
     assert isa.probe("trap") == "SIGILL"
