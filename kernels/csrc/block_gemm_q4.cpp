@@ -8,11 +8,13 @@
 // offset widen exactly; nib * scale is exact; one rounding for the add), so it equals the GGUF file's
 // dequantized value bit for bit, and the products are float32's. Two ways to rebuild:
 // - AVX2: widen 8 nibbles to 8 int32, convert, one fused multiply-add with scale and offset;
-// - AVX-512: the low nibbles looked up in a register of the block's 16 possible values (i * scale +
-//   offset for i in 0..15, one fused multiply-add: rounded as the AVX2 way rounds), with one permute;
-//   the high ones widened and converted as with AVX2. The permute runs on one execution port and the
-//   conversion on another: the two halves' ways balance them (against both halves looked up, the
-//   kernel took 0.86-0.94x the time of the int8 one instead of 0.95-0.99x, in cache, one thread).
+// - AVX-512: both halves looked up in a register of the block's 16 possible values (i * scale +
+//   offset for i in 0..15, one fused multiply-add: rounded as the AVX2 way rounds), one permute
+//   each. On a 2-core Xeon (AVX512-BF16, AMX) a pass over all of SmolLM2's projections took
+//   0.94-0.96x the time of the former way (the high half widened and converted as with AVX2) at
+//   one row, the same at 4 and 8 (three runs alternating both in one process, two threads). The
+//   former way had measured better in cache on one thread (0.86-0.94x the int8 kernel's time,
+//   against 0.95-0.99x): what a decode step streams decides.
 // The AVX-512 functions carry their own target attribute; the operator picks them where the CPU has
 // AVX-512 (F and BW), or as asked. Registered as torch.ops.tandem.block_gemm_q4.
 #include <ATen/ATen.h>
@@ -22,12 +24,12 @@
 
 #include <algorithm>
 
+#include "block_tiles_avx512.h"
 #include "block_weights.h"
-
-#define TANDEM_AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 
 namespace {
 
+using tandem_blocks::has_avx512;
 using tandem_blocks::kBlock;
 using tandem_blocks::kMaxTile;
 constexpr int64_t kBlockBytes = kBlock / 2;
@@ -65,66 +67,26 @@ void tile_avx2(const float* x, int64_t K, const uint8_t* q, const uint16_t* scal
   }
 }
 
-// The same with AVX-512: one block's 32 weights in two registers, the low 16 looked up from its 16
-// values (vpermps reads only the low 4 bits of each index, so they need no mask), the high 16
-// shifted down and converted; scales and offsets are widened 16 blocks at a time, not one by one. With
-// one or two rows of x, blocks alternate between two pairs of sums, so that a block's multiply-adds
-// wait on the block before last, not the last (the sums' latency, not the loads, bounded the loop).
-TANDEM_AVX512_TARGET inline void rebuild_block(const uint8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 table = _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
-  w0 = _mm512_permutexvar_ps(bytes, table);
-  w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), _mm512_set1_ps(scale), _mm512_set1_ps(offset));
-}
+// The same with AVX-512 (block_tiles_avx512.h): one block's 32 weights in two registers, both
+// halves looked up from the block's 16 values (vpermps reads only the low 4 bits of each index, so
+// neither needs a mask; the high half's are shifted down first).
+struct Nibbles {
+  using Value = uint8_t;
+  static constexpr int64_t kBytes = kBlockBytes;
+
+  TANDEM_AVX512_TARGET static void rebuild(const uint8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+    w0 = _mm512_permutexvar_ps(bytes, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+};
 
 template <int MT>
 TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const uint8_t* q, const uint16_t* scale,
                                       const uint16_t* offset, float* y, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int P = MT <= 2 ? 2 : 1;  // pairs of sums per row of x
-  constexpr int64_t kGroup = 16;      // blocks whose scales and offsets are widened together
-  const int64_t nb = K / kBlock;
-  alignas(64) float s[kGroup], o[kGroup];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * (K / 2);
-    __m512 acc[MT][P][2];
-    for (int m = 0; m < MT; ++m)
-      for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < nb; g += kGroup) {
-      const int64_t size = std::min(kGroup, nb - g);
-      const __mmask16 valid = static_cast<__mmask16>((1u << size) - 1);
-      _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale + n * nb + g)));
-      _mm512_store_ps(o, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, offset + n * nb + g)));
-      int64_t i = 0;
-      for (; i + P <= size; i += P) {
-        for (int p = 0; p < P; ++p) {
-          const int64_t b = g + i + p;
-          __m512 w0, w1;
-          rebuild_block(qn + b * kBlockBytes, s[i + p], o[i + p], w0, w1);
-          for (int m = 0; m < MT; ++m) {
-            const float* xb = x + m * K + b * kBlock;
-            acc[m][p][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][p][0]);
-            acc[m][p][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][p][1]);
-          }
-        }
-      }
-      for (; i < size; ++i) {  // an odd block at the end of a group
-        const int64_t b = g + i;
-        __m512 w0, w1;
-        rebuild_block(qn + b * kBlockBytes, s[i], o[i], w0, w1);
-        for (int m = 0; m < MT; ++m) {
-          const float* xb = x + m * K + b * kBlock;
-          acc[m][0][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][0][0]);
-          acc[m][0][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][0][1]);
-        }
-      }
-    }
-    for (int m = 0; m < MT; ++m) {
-      __m512 t = _mm512_add_ps(acc[m][0][0], acc[m][0][1]);
-      if (P > 1) t = _mm512_add_ps(t, _mm512_add_ps(acc[m][P - 1][0], acc[m][P - 1][1]));
-      y[m * N + n] = _mm512_reduce_add_ps(t);
-    }
-  }
+  tandem_blocks::tile_avx512<MT, Nibbles>(x, K, q, scale, offset, y, N, n0, n1);
 }
 
 using TileFn = void (*)(const float*, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, float*, int64_t,
@@ -133,8 +95,6 @@ constexpr TileFn kAvx2[kMaxTile + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, til
                                         tile_avx2<5>, tile_avx2<6>, tile_avx2<7>, tile_avx2<8>};
 constexpr TileFn kAvx512[kMaxTile + 1] = {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
                                           tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
-
-bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
 
 }  // namespace
 

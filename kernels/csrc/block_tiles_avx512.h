@@ -1,0 +1,72 @@
+// The AVX-512 loop that block_gemm_q4.cpp and block_gemm_q8.cpp share: rows [0, MT) of x against
+// weight rows [n0, n1) of blocks kept as GGUF keeps them (a float16 scale per 32-wide block, and for
+// Q4 a float16 offset). `Block` says how one block's 32 weights come back as float32 in two
+// registers (Block::rebuild) and how many bytes a block's values take (Block::kBytes); the loop
+// widens the scales and offsets 16 blocks at a time, not one by one, and multiplies. With one or
+// two rows of x, blocks alternate between two pairs of sums, so that a block's multiply-adds wait on
+// the block before last, not the last (the sums' latency, not the loads, bounded the loop).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#define TANDEM_AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+
+namespace tandem_blocks {
+
+inline bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+
+// offset: nullptr where the blocks have none (Block::rebuild then gets 0).
+template <int MT, typename Block>
+TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const typename Block::Value* q, const uint16_t* scale,
+                                      const uint16_t* offset, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t kWidth = 32;
+  constexpr int P = MT <= 2 ? 2 : 1;  // pairs of sums per row of x
+  constexpr int64_t kGroup = 16;      // blocks whose scales and offsets are widened together
+  const int64_t nb = K / kWidth;
+  alignas(64) float s[kGroup], o[kGroup] = {};
+  for (int64_t n = n0; n < n1; ++n) {
+    const typename Block::Value* qn = q + n * (nb * Block::kBytes);
+    __m512 acc[MT][P][2];
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nb; g += kGroup) {
+      const int64_t size = std::min(kGroup, nb - g);
+      const __mmask16 valid = static_cast<__mmask16>((1u << size) - 1);
+      _mm512_store_ps(s, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, scale + n * nb + g)));
+      if (offset != nullptr) _mm512_store_ps(o, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, offset + n * nb + g)));
+      int64_t i = 0;
+      for (; i + P <= size; i += P) {
+        for (int p = 0; p < P; ++p) {
+          const int64_t b = g + i + p;
+          __m512 w0, w1;
+          Block::rebuild(qn + b * Block::kBytes, s[i + p], o[i + p], w0, w1);
+          for (int m = 0; m < MT; ++m) {
+            const float* xb = x + m * K + b * kWidth;
+            acc[m][p][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][p][0]);
+            acc[m][p][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][p][1]);
+          }
+        }
+      }
+      for (; i < size; ++i) {  // an odd block at the end of a group
+        const int64_t b = g + i;
+        __m512 w0, w1;
+        Block::rebuild(qn + b * Block::kBytes, s[i], o[i], w0, w1);
+        for (int m = 0; m < MT; ++m) {
+          const float* xb = x + m * K + b * kWidth;
+          acc[m][0][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m][0][0]);
+          acc[m][0][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[m][0][1]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m512 t = _mm512_add_ps(acc[m][0][0], acc[m][0][1]);
+      if (P > 1) t = _mm512_add_ps(t, _mm512_add_ps(acc[m][P - 1][0], acc[m][P - 1][1]));
+      y[m * N + n] = _mm512_reduce_add_ps(t);
+    }
+  }
+}
+
+}  // namespace tandem_blocks
