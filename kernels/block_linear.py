@@ -8,6 +8,10 @@ each weight in float32 with one fused multiply-add, which gives the dequantized 
 and multiplies in float32: the arithmetic is float32's, the bytes streamed per weight are 1.25
 instead of 4.
 
+Where the values fit, the file's own forms are kept instead (`Linear` packs them): `Nibbles` for
+Q4_0 and Q4_1 (`block_gemm_q4`, 0.625 bytes a weight), `Bytes` for Q8_0 (`block_gemm_q8`, 1.0625),
+rebuilding the same values.
+
 It pays where decoding is bound by weight bandwidth, a few rows at a time; larger batches go to
 oneDNN (`Linear` picks per call; `BLOCK_MAX_ROWS`). `tandem bench linear` measures both.
 
@@ -103,6 +107,32 @@ class Nibbles:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
 
 
+@dataclass
+class Bytes:
+    """Blocks of int8 values with a float16 scale and no offset (GGUF's Q8_0) as the file keeps them:
+    1.0625 bytes a weight against BlockWeights' 1.25. `w = q * scale`, the same values as the
+    BlockWeights they were packed from (`pack`)."""
+
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N, K // 32] float16
+
+    @staticmethod
+    def pack(w: BlockWeights) -> Bytes | None:
+        """`w` with float16 scales, or None where it does not fit: an offset that is not 0, or a
+        scale float16 cannot hold."""
+        scale16 = w.scale.half()
+        if not (bool((w.offset == 0).all()) and torch.equal(scale16.float(), w.scale)):
+            return None
+        return Bytes(w.q, scale16.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.view(n, k // BLOCK, BLOCK).float() * self.scale.float()[..., None]).view(n, k)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale))
+
+
 def fits_four_bits(w: BlockWeights) -> bool:
     """Whether `w`'s values span 4 bits (Q4_0 or Q4_1): what `Nibbles.pack` needs first."""
     return bool(w.q.min() >= -8) and bool(w.q.max() <= 15)
@@ -119,6 +149,12 @@ def block_gemm_q4(x: torch.Tensor, w: Nibbles, tile_rows: int = 0, avx512: int =
     """x [M, K] float32 @ w.T -> [M, N] float32, exactly as block_gemm over the blocks `w` was packed
     from. `avx512`: -1 where the CPU has AVX-512, 0 the AVX2 functions, 1 the AVX-512 ones."""
     return torch.ops.tandem.block_gemm_q4(x, w.q, w.scale, w.offset, tile_rows, avx512)
+
+
+def block_gemm_q8(x: torch.Tensor, w: Bytes, tile_rows: int = 0, avx512: int = -1) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32, exactly as block_gemm over the blocks `w` was packed
+    from (AVX2: bit for bit). `avx512` as for block_gemm_q4."""
+    return torch.ops.tandem.block_gemm_q8(x, w.q, w.scale, tile_rows, avx512)
 
 
 def block_gemm_bf16(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:

@@ -4,6 +4,7 @@ set-up script builds it ahead). They register as `torch.ops.tandem.*`:
 
 - `block_gemm`, `block_gemm_bf16`: projections over GGUF-style int8 blocks (block_linear.py);
 - `block_gemm_q4`: the same over 4-bit blocks, two to a byte, as GGUF's Q4_0 and Q4_1 keep them;
+- `block_gemm_q8`: the same over int8 blocks with float16 scales, as GGUF's Q8_0 keeps them;
 - `isa_probe`: one instruction of a CPU feature, run in a child process (isa.py);
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py);
 - `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`: a layer's steps between projections (layer_ops.py);
@@ -16,7 +17,7 @@ projections on one core until that was seen), so the library is built with -fope
 to the OpenMP runtime torch has already loaded, sharing its thread pool and torch.set_num_threads.
 
 They are written for AVX2 + FMA + F16C (block_gemm_bf16's functions for AVX512-BF16, checked when
-it runs; block_gemm_q4's AVX-512 ones where the CPU has it), and built with -ffp-contract=off: the compiler never fuses a multiply and an add the source
+it runs; block_gemm_q4's and block_gemm_q8's AVX-512 ones where the CPU has it), and built with -ffp-contract=off: the compiler never fuses a multiply and an add the source
 keeps apart, so element-wise steps round as torch's do. Where they cannot run (another CPU, no
 compiler, `TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch
 paths.

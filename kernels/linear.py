@@ -11,8 +11,9 @@ dtype on this CPU (bfloat16 without AVX512-BF16), or off the CPU, the weight sta
 
 A weight that came block-quantized from a GGUF file also keeps that form, and batches of up to
 `BLOCK_MAX_ROWS` rows multiply it: in 4 bits as the file keeps Q4_0 and Q4_1 (`Nibbles`,
-`block_gemm_q4`, 0.625 bytes a weight), otherwise as int8 blocks (`BlockWeights`, `block_gemm`,
-1.25), instead of float32's 4. Both rebuild the file's values exactly. On a 2-core Xeon
+`block_gemm_q4`, 0.625 bytes a weight), Q8_0 as the file keeps it (`Bytes`, `block_gemm_q8`,
+1.0625), otherwise as int8 blocks (`BlockWeights`, `block_gemm`, 1.25), instead of float32's 4. All
+rebuild the file's values exactly. On a 2-core Xeon
 (AVX512-BF16, AMX), all of SmolLM2's projections (`tandem bench linear --whole-model`): 10.98 ms at
 1 row against the int8 blocks' 16.71, 24.08 at 8 rows against 30.53 (and against 37.51 for the int8
 blocks in bfloat16, so no int8 blocks are kept beside the 4-bit ones).
@@ -30,8 +31,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Nibbles, bfloat16_blocks_unavailable,
-                                         block_gemm, block_gemm_bf16, block_gemm_q4)
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable,
+                                         block_gemm, block_gemm_bf16, block_gemm_q4, block_gemm_q8)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 log = logging.getLogger("tandem.kernels")
@@ -57,12 +58,12 @@ class Linear:
                  prefill_dtype: torch.dtype | None = None, four_bit: bool = True):
         self.bias = bias
         self.kind = "plain"
-        self.blocks: BlockWeights | Nibbles | None = None
+        self.blocks: BlockWeights | Nibbles | Bytes | None = None
         self.prefill = None  # Linear over the weight in prefill_dtype, for more than BLOCK_MAX_ROWS rows
         self.bfloat16_blocks = False  # products of BFLOAT16_MIN_ROWS to BLOCK_MAX_ROWS rows in bfloat16
         float32_on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         if blocks is not None and float32_on_cpu and cpu_ops_unavailable() is None:
-            self.blocks = (four_bit and Nibbles.pack(blocks)) or blocks
+            self.blocks = (four_bit and Nibbles.pack(blocks)) or Bytes.pack(blocks) or blocks
         if prefill_dtype not in (None, torch.float32) and float32_on_cpu:
             self.prefill = Linear(weight.to(prefill_dtype))
             self.bfloat16_blocks = (isinstance(self.blocks, BlockWeights) and prefill_dtype == torch.bfloat16
@@ -83,7 +84,8 @@ class Linear:
         own = None if self.weight is None else (
             {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind]
             + f" {str(self.weight.dtype).removeprefix('torch.')}")
-        small = own if self.blocks is None else "4-bit blocks" if isinstance(self.blocks, Nibbles) else "int8 blocks"
+        small = own if self.blocks is None else {Nibbles: "4-bit blocks", Bytes: "8-bit blocks"}.get(
+            type(self.blocks), "int8 blocks")
         large = self.prefill.describe() if self.prefill is not None else own
         if self.bfloat16_blocks:
             return (f"{small} up to {BFLOAT16_MIN_ROWS - 1} rows, {small} in bfloat16 up to {BLOCK_MAX_ROWS}, "
@@ -103,6 +105,8 @@ class Linear:
         if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
             if isinstance(self.blocks, Nibbles):
                 y = block_gemm_q4(x, self.blocks)
+            elif isinstance(self.blocks, Bytes):
+                y = block_gemm_q8(x, self.blocks)
             elif self.bfloat16_blocks and rows >= BFLOAT16_MIN_ROWS:
                 y = block_gemm_bf16(x, self.blocks)
             else:

@@ -51,12 +51,12 @@ def test_batch_of_one_matches_batched(make_engine, greedy_workload):
 def test_decode_projections_read_the_gguf_blocks(smollm_fp32):
     """The tests above run the block-quantized path (steps of up to 8 rows) wherever it can run:
     every layer projection of the built-in Q4_1/Q8_0 file holds its 4-bit blocks, the lm_head its
-    Q8_0 blocks as int8, and each dequantizes, bit for bit, to the float32 weights HF transformers
+    Q8_0 blocks as the file keeps them (int8 values, float16 scales), and each dequantizes, bit for bit, to the float32 weights HF transformers
     is given (fused projections: to their weights side by side)."""
     import torch
 
     from tandem.common.cpu import cpu_flags
-    from tandem.kernels.block_linear import BlockWeights, Nibbles
+    from tandem.kernels.block_linear import Bytes, Nibbles
     from tandem.server.model.loader import load_block_weights, load_weights
 
     module = smollm_fp32.module
@@ -68,7 +68,7 @@ def test_decode_projections_read_the_gguf_blocks(smollm_fp32):
     if not all(flag in cpu_flags() for flag in ("avx2", "fma", "f16c")):
         assert all(layer.qkv.blocks is None for layer in module.layers)
         return
-    assert isinstance(module.lm_head.blocks, BlockWeights)
+    assert isinstance(module.lm_head.blocks, Bytes)
     assert torch.equal(module.lm_head.blocks.dequantize(), weights["model.embed_tokens.weight"])
     fused = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
              "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}

@@ -1,7 +1,8 @@
 """The one inexact fast path of float32 serving: projections over many rows in bfloat16
 (`--prefill-dtype`, auto on CPUs with AVX512-BF16): prefill chunks and decode batches of more than
-8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF int8
-blocks (`block_gemm_bf16`, where the CPU has AVX512-BF16); and the attention of prompt pieces. Against HF transformers in float32 on the
+8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF blocks
+where they are held as int8 blocks (`block_gemm_bf16`, where the CPU has AVX512-BF16; `--gguf-blocks
+int8`); and the attention of prompt pieces. Against HF transformers in float32 on the
 same GGUF weights: teacher-forced logits within TOLERANCE, and greedy output equal up to the first
 position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
 so it runs on every CPU (the copy's products emulated where bfloat16 is not native: slower, within
@@ -15,7 +16,7 @@ import torch
 from support.checks import assert_greedy_matches_reference
 from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, bfloat16_blocks_unavailable
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, Bytes, bfloat16_blocks_unavailable
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS
 
 NEW_TOKENS = 24
@@ -53,27 +54,36 @@ def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16_pr
         assert_close_to_reference(teacher_forced_logits(smollm_bf16_prefill, p), want, f"{len(p)} tokens")
 
 
-def test_decode_sized_products_round_against_the_int8_blocks(smollm_bf16_prefill, hf_reference):
-    """Prompts fed 6 tokens at a time: every product has as many rows as a 6-request decode step."""
+def test_decode_sized_products_round_against_the_int8_blocks(hf_reference):
+    """Prompts fed 6 tokens at a time: every product has as many rows as a 6-request decode step.
+    Loaded with `--gguf-blocks int8`, so that the layers' Q4_1 blocks are int8 blocks, which take
+    bfloat16 products from BFLOAT16_MIN_ROWS (the 4-bit form and the LM head's Q8_0 blocks stay
+    float32: faster there, test_block_q4.py and test_block_q8.py)."""
+    from tandem.server.model import load_model
+
+    loaded = load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", gguf_blocks="int8")
     piece = 6
     assert BFLOAT16_MIN_ROWS <= piece <= BLOCK_MAX_ROWS
     why = bfloat16_blocks_unavailable()
-    module = smollm_bf16_prefill.module
-    assert module.lm_head.bfloat16_blocks == (why is None)
-    ids = prompts(smollm_bf16_prefill.tokenizer)
+    module = loaded.module
+    assert all(layer.gate_up.bfloat16_blocks == (why is None) for layer in module.layers)
+    assert isinstance(module.lm_head.blocks, Bytes) and not module.lm_head.bfloat16_blocks
+    ids = prompts(loaded.tokenizer)
     for p in (ids[3], ids[5], ids[7]):
         with torch.inference_mode():
             want = hf_reference.model(torch.tensor([p])).logits[0].float()
-        got = teacher_forced_logits(smollm_bf16_prefill, p, piece=piece)
+        got = teacher_forced_logits(loaded, p, piece=piece)
         if why is None:
             assert_close_to_reference(got, want, f"{len(p)} tokens, {piece} at a time")
         else:  # no AVX512-BF16: these products stay float32 (exact), the reason is the CPU's
-            assert why == "this CPU lacks AVX512-BF16" or why.startswith("tandem's CPU kernels are unavailable")
+            assert why == "this CPU lacks AVX512-BF16, or faults on it" or why.startswith(
+                "tandem's CPU kernels are unavailable")
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefill, hf_reference):
-    # 6 running at a time: decode steps of 5 to 6 rows (bfloat16 against the blocks) and fewer (exact)
+    # 6 running at a time: prefill chunks in bfloat16, decode steps of up to 6 rows exact (float32
+    # against the file's 4-bit and 8-bit blocks)
     assert_greedy_matches_reference(smollm_bf16_prefill, hf_reference, prompts(smollm_bf16_prefill.tokenizer),
                                     NEW_TOKENS, TOLERANCE, max_total_tokens=16384, page_size=16,
                                     chunked_prefill_size=256, max_running_requests=6)

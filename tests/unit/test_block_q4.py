@@ -55,7 +55,7 @@ def test_blocks_that_do_not_fit_four_bits_stay_int8():
     assert Nibbles.pack(BlockWeights(q4.q, q4.scale * (1 + 2**-20), q4.offset)) is None  # a scale float16 cannot hold
     centred = BlockWeights(q4.q - 8, q4.scale, q4.offset)  # -8..7 with an offset: no exact shift
     assert Nibbles.pack(centred) is None
-    assert Linear(q8.dequantize(), None, q8).blocks is q8  # Linear keeps what does not pack
+    assert Linear(centred.dequantize(), None, centred).blocks is centred  # Linear keeps what does not pack
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
