@@ -12,6 +12,8 @@ decode step on a small model.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from tandem.kernels import layer_ops
@@ -62,3 +64,46 @@ class FusedDecodeLayer:
             h, delta, self.input_norm, self.mlp_norm, self.eps, self.qkv, self.o, self.gate_up, self.down, cos, sin,
             paged.k_cache, paged.v_cache, paged.slots, paged.page_table, paged.kv_lens, self.num_heads,
             self.num_kv_heads, paged.scale, paged.window)
+
+
+class FusedDecodeStack:
+    """Every layer of a model as `FusedDecodeLayer` runs it, in one native call per decode step
+    (`torch.classes.tandem.DecodeStackQ4`): the per-layer checks and calls from Python are made once
+    per step. Bit for bit the layers called one by one (tests/engine/test_fused_decode.py)."""
+
+    def __init__(self, layers: list[FusedDecodeLayer]):
+        first = layers[0]
+        weights = [t for f in layers for t in (f.input_norm, f.mlp_norm, *f.qkv, *f.o, *f.gate_up, *f.down)]
+        self.stack = torch.classes.tandem.DecodeStackQ4(weights, first.eps, first.num_heads, first.num_kv_heads)
+        self.num_layers = len(layers)
+        # per attention backend: each layer's K and V caches and window (dropped with the backend)
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def build(layers: list[FusedDecodeLayer | None]) -> FusedDecodeStack | None:
+        """The stack of these layers, or None where one of them cannot be fused or they differ in
+        their eps or heads."""
+        if not layers or any(f is None for f in layers):
+            return None
+        first = layers[0]
+        if any((f.eps, f.num_heads, f.num_kv_heads) != (first.eps, first.num_heads, first.num_kv_heads) for f in layers):
+            return None
+        return FusedDecodeStack(layers)
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attn: AttentionBackend) -> torch.Tensor | None:
+        """The last layer's output (h updated in place), or None where the step does not fit, as
+        for `FusedDecodeLayer`: the caller runs the layers one by one."""
+        if not _enabled[0] or h.shape[0] > BLOCK_MAX_ROWS or not layer_ops.native_kernels(h) or not cos.is_contiguous():
+            return None
+        paged = attn.decode_in_place(0)
+        if paged is None or paged.k_cache.dtype != torch.float32:
+            return None
+        caches = self._caches.get(attn)
+        if caches is None:
+            per_layer = [attn.decode_in_place(i) for i in range(self.num_layers)]
+            caches = self._caches[attn] = ([p.k_cache for p in per_layer], [p.v_cache for p in per_layer],
+                                           [p.window for p in per_layer])
+        k_caches, v_caches, windows = caches
+        return self.stack.forward(h, cos, sin, k_caches, v_caches, paged.slots, paged.page_table, paged.kv_lens,
+                                  paged.scale, windows)

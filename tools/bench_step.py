@@ -7,8 +7,9 @@ in two forms alternated within one run so both see the same machine:
   where /sys/kernel/mm/transparent_hugepage/enabled is `always`, both get huge pages);
 - `--compare decode-attention`: decode attention read in place from the pages
   (`paged_decode_attention`) against gathering them for torch's SDPA;
-- `--compare fused-layer`: each decoder layer as one native call (`kernels.fused_decode`) against
-  the same kernels called op by op from Python;
+- `--compare fused-layer`: the decoder layers as native calls (`kernels.fused_decode`: all of them in
+  one) against the same kernels called op by op from Python;
+- `--compare fused-stack`: all layers in one native call against one call per layer;
 - `--compare prompt-attention`: a prefill pass instead (`rows` prompts of `--context` tokens), its
   prompt attention in the bfloat16 of a float32 model's prompt products (`--prefill-dtype`) against
   float32;
@@ -108,9 +109,16 @@ def run(args) -> int:
     elif args.compare == "fused-layer":
         attn = backend(True)
         forms = {"fused": (model, attn, True), "op_by_op": (model, attn, True)}
+    elif args.compare == "fused-stack":
+        if model.fused_stack is None:
+            raise SystemExit("--compare fused-stack needs a model whose layers all take the fused call "
+                             "(float32, 4-bit blocks, plain Llama layers, one rank)")
+        attn = backend(True)
+        forms = {"stack": (model, attn, True), "layers": (model, attn, True)}
     else:
         attn = backend(True)
         forms = {"native": (model, attn, True), "torch": (model, attn, False)}
+    stack = model.fused_stack
     rng = random.Random(0)
     num_pages = args.kv_tokens // PAGE_SIZE
     for rows in args.rows:
@@ -129,6 +137,8 @@ def run(args) -> int:
             for name, (form, attn, native) in forms.items():
                 layer_ops._kernels_ready[:] = [native]
                 fused_decode.use_fused_decode(name != "op_by_op")
+                if args.compare == "fused-stack":
+                    model.fused_stack = stack if name == "stack" else None
                 start = time.perf_counter()
                 attn.prepare(batch)
                 form.logits(form(ids, positions, attn)[sampled])
@@ -136,6 +146,7 @@ def run(args) -> int:
                     times[name].append(time.perf_counter() - start)
         layer_ops._kernels_ready[:] = [True]
         fused_decode.use_fused_decode(True)
+        model.fused_stack = stack
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         first, *others = ms
         print(json.dumps({

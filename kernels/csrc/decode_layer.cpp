@@ -4,13 +4,16 @@
 // values, so its output is bit for bit theirs; what it removes is the glue between them: ~25 calls
 // a layer through Python and torch's dispatcher (views, splits, the KV store's index_put, ...),
 // which cost more than the small steps themselves at a decode step's one to eight rows.
-// Registered as torch.ops.tandem.decode_layer_q4.
+// Registered as torch.ops.tandem.decode_layer_q4; torch.classes.tandem.DecodeStackQ4 holds every
+// layer's operands and runs them all in one call.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "ops.h"
 
@@ -69,7 +72,53 @@ at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta
   return project(silu_mul(project(x2, gate_up, "gate_up")), down, "down");
 }
 
+// Every decoder layer of a model, each as decode_layer_q4 runs it, one after the other in one call:
+// what a decode step of one to eight sequences spends between the layers (a call from Python per
+// layer: the layer's checks, its ~20 arguments converted, the dispatcher) is spent once per step.
+// Built once with the layers' fixed operands (`weights`: 14 tensors a layer: input norm, MLP norm,
+// then the qkv, o, gate|up and down projections' [q, scale, offset]); the KV caches come with each
+// call, as the attention backend that owns them may change.
+struct DecodeStackQ4 : torch::CustomClassHolder {
+  static constexpr size_t kPerLayer = 14;
+
+  DecodeStackQ4(std::vector<at::Tensor> weights, double eps, int64_t num_heads, int64_t num_kv_heads)
+      : weights(std::move(weights)), eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads) {
+    TORCH_CHECK(!this->weights.empty() && this->weights.size() % kPerLayer == 0, "weights must be ", kPerLayer,
+                " tensors a layer, got ", this->weights.size());
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(weights.size() / kPerLayer); }
+
+  // h [T, hidden] the embedded tokens (updated in place, as decode_layer_q4 updates it); k_caches,
+  // v_caches and windows: each layer's; slots, page_table, kv_lens, scale as decode_layer_q4 takes
+  // them, for every layer. Returns the last layer's output, not yet added to h.
+  at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_caches,
+                     std::vector<at::Tensor> v_caches, const at::Tensor& slots, const at::Tensor& page_table,
+                     const at::Tensor& kv_lens, double scale, std::vector<int64_t> windows) {
+    const int64_t L = num_layers();
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && v_caches.size() == k_caches.size() &&
+                static_cast<int64_t>(windows.size()) == L, "k_caches, v_caches and windows: one a layer (", L,
+                "), got ", k_caches.size(), ", ", v_caches.size(), " and ", windows.size());
+    std::optional<at::Tensor> delta;
+    for (int64_t i = 0; i < L; ++i) {
+      const at::Tensor* w = weights.data() + i * kPerLayer;
+      delta = decode_layer_q4(h, delta, w[0], w[1], eps, {w + 2, 3}, {w + 5, 3}, {w + 8, 3}, {w + 11, 3}, cos, sin,
+                              k_caches[i], v_caches[i], slots, page_table, kv_lens, num_heads, num_kv_heads, scale,
+                              windows[i]);
+    }
+    return *delta;
+  }
+
+  std::vector<at::Tensor> weights;
+  double eps;
+  int64_t num_heads, num_kv_heads;
+};
+
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.class_<DecodeStackQ4>("DecodeStackQ4")
+      .def(torch::init<std::vector<at::Tensor>, double, int64_t, int64_t>())
+      .def("num_layers", &DecodeStackQ4::num_layers)
+      .def("forward", &DecodeStackQ4::forward);
   m.def("decode_layer_q4(Tensor(a!) h, Tensor? delta, Tensor input_norm, Tensor mlp_norm, float eps, Tensor[] qkv, "
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slots, Tensor page_table, Tensor kv_lens, int num_heads, int num_kv_heads, float scale, int window) "

@@ -24,7 +24,7 @@ from torch import nn
 
 from tandem.kernels.attention import AttentionBackend
 from tandem.kernels.block_linear import BlockWeights
-from tandem.kernels.fused_decode import FusedDecodeLayer
+from tandem.kernels.fused_decode import FusedDecodeLayer, FusedDecodeStack
 from tandem.kernels.layer_ops import add_rms_norm, apply_rope, gelu_tanh_mul, rms_norm, silu_mul
 from tandem.kernels.linear import Linear
 from tandem.server.model.config import ROPE_TYPES, ModelConfig, yarn_mscale
@@ -252,6 +252,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype, all_reduce, four_bit)
                                     for i in range(config.num_layers))
+        # Every layer in one native call at decode steps, where each could be fused and all take one RoPE table
+        self.fused_stack = (FusedDecodeStack.build([layer.fused for layer in self.layers])
+                            if not (config.sliding_layers and config.local_rope_theta) else None)
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,
         # the logits GEMM its own layout.
@@ -276,9 +279,10 @@ class LlamaForCausalLM(nn.Module):
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
         rope = _cos_sin(positions, self.inv_freq, h.dtype, self.rope_factor)
         local = rope if self.local_inv_freq is None else _cos_sin(positions, self.local_inv_freq, h.dtype)
-        delta = None
-        for layer in self.layers:
-            h, delta = layer(h, delta, *(local if layer.index in self.sliding else rope), attn)
+        delta = self.fused_stack(h, *rope, attn) if self.fused_stack is not None else None
+        if delta is None:
+            for layer in self.layers:
+                h, delta = layer(h, delta, *(local if layer.index in self.sliding else rope), attn)
         return add_rms_norm(h, delta, self.norm, self.config.rms_norm_eps)[1]
 
     def streamed_bytes(self, rows: int) -> int:

@@ -1,8 +1,9 @@
-"""Each decoder layer of a decode step as one native call (`tandem.kernels.fused_decode`) against
-the same layer run op by op, on the built-in model (float32, its projections in 4-bit blocks): the
-hidden states and the KV written equal bit for bit, for every batch size the call takes; steps it
-does not take (prompt pieces, more rows than the 4-bit kernels take) run op by op; a bad operand
-is refused by name. Greedy equality with HF through the engine is test_exactness.py's."""
+"""A decode step's layers as native calls (`tandem.kernels.fused_decode`): all of them in one call
+(`FusedDecodeStack`, what a step takes), each layer as one call (`FusedDecodeLayer`), against the same
+layers run op by op, on the built-in model (float32, its projections in 4-bit blocks): the hidden
+states and the KV written equal bit for bit, for every batch size the calls take; steps they do not
+take (prompt pieces, more rows than the 4-bit kernels take) run op by op; a bad operand is refused
+by name. Greedy equality with HF through the engine is test_exactness.py's."""
 
 from __future__ import annotations
 
@@ -23,16 +24,16 @@ PAGES = 256
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How many layer steps took the fused call."""
+    """Which fused calls were asked for, and whether each took the step: ("stack", taken) per step,
+    ("layer", taken) per layer step."""
     taken = []
-    original = fused_decode.FusedDecodeLayer.__call__
+    for kind, cls in (("stack", fused_decode.FusedDecodeStack), ("layer", fused_decode.FusedDecodeLayer)):
+        def counting(self, *args, _original=cls.__call__, _kind=kind):
+            out = _original(self, *args)
+            taken.append((_kind, out is not None))
+            return out
 
-    def counting(self, *args):
-        out = original(self, *args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fused_decode.FusedDecodeLayer, "__call__", counting)
+        monkeypatch.setattr(cls, "__call__", counting)
     return taken
 
 
@@ -42,13 +43,17 @@ def cache_and_backend(c, seed: int) -> tuple[PagedKVCache, TorchAttention]:
     return cache, TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
 
 
-def step(model, cache, attn, batch: AttentionBatch, ids: list[int], positions: list[int], fused: bool):
-    fused_decode.use_fused_decode(fused)
+def step(model, cache, attn, batch: AttentionBatch, ids: list[int], positions: list[int], form: str = "stack"):
+    """One forward pass with the layers as `form` runs them: stack, layer (each layer fused) or op_by_op."""
+    stack = model.fused_stack
+    fused_decode.use_fused_decode(form != "op_by_op")
+    model.fused_stack = stack if form == "stack" else None
     try:
         attn.prepare(batch)
         return model(torch.tensor(ids), torch.tensor(positions), attn)
     finally:
         fused_decode.use_fused_decode(True)
+        model.fused_stack = stack
 
 
 def decode_batch(rows: int, rng: random.Random) -> tuple[AttentionBatch, list[int]]:
@@ -62,19 +67,20 @@ def decode_batch(rows: int, rng: random.Random) -> tuple[AttentionBatch, list[in
 @pytest.mark.parametrize("rows", [1, 3, BLOCK_MAX_ROWS])
 def test_a_fused_step_equals_the_op_by_op_step_bit_for_bit(smollm_fp32, calls, rows):
     model, c = smollm_fp32.module, smollm_fp32.config
-    assert all(layer.fused is not None for layer in model.layers)
+    assert all(layer.fused is not None for layer in model.layers) and model.fused_stack is not None
     rng = random.Random(rows)
     batch, positions = decode_batch(rows, rng)
     ids = [rng.randrange(c.vocab_size) for _ in range(rows)]
-    fused_cache, fused_attn = cache_and_backend(c, seed=rows)
-    plain_cache, plain_attn = cache_and_backend(c, seed=rows)
-    fused = step(model, fused_cache, fused_attn, batch, ids, positions, fused=True)
-    assert calls == [True] * c.num_layers
-    plain = step(model, plain_cache, plain_attn, batch, ids, positions, fused=False)
-    assert calls == [True] * c.num_layers + [False] * c.num_layers  # off: each layer ran op by op
-    assert torch.equal(fused, plain)
-    assert torch.equal(fused_cache.buffer, plain_cache.buffer)  # the same K and V in the same slots
-    written = fused_cache.k[0].flatten(0, 1)[batch.out_slots]
+    out, buffers = {}, {}
+    for form in ("stack", "layer", "op_by_op"):
+        cache, attn = cache_and_backend(c, seed=rows)
+        out[form], buffers[form] = step(model, cache, attn, batch, ids, positions, form), cache.buffer
+    layer_steps = [("layer", True)] * c.num_layers
+    assert calls == [("stack", True)] + layer_steps + [("layer", False)] * c.num_layers  # off: op by op
+    for form in ("layer", "op_by_op"):
+        assert torch.equal(out["stack"], out[form]), form
+        assert torch.equal(buffers["stack"], buffers[form]), form  # the same K and V in the same slots
+    written = cache.k[0].flatten(0, 1)[batch.out_slots]
     assert not torch.equal(written, cache_and_backend(c, seed=rows)[0].k[0].flatten(0, 1)[batch.out_slots])
 
 
@@ -86,11 +92,11 @@ def test_steps_the_call_does_not_take_run_op_by_op(smollm_fp32, calls):
     pages = rng.sample(range(PAGES), 4)
     prompt = AttentionBatch([5, 1], [5, 41], [pages[:1], pages[1:]], 1,
                             torch.tensor(flat_slots(pages[:1], 0, 5, PAGE) + flat_slots(pages[1:], 40, 41, PAGE)))
-    step(model, cache, attn, prompt, list(range(6)), [0, 1, 2, 3, 4, 40], fused=True)
+    step(model, cache, attn, prompt, list(range(6)), [0, 1, 2, 3, 4, 40])
     # More decodes than the 4-bit kernels take
     many, positions = decode_batch(BLOCK_MAX_ROWS + 1, rng)
-    step(model, cache, attn, many, [7] * (BLOCK_MAX_ROWS + 1), positions, fused=True)
-    assert calls == [False] * (2 * c.num_layers)
+    step(model, cache, attn, many, [7] * (BLOCK_MAX_ROWS + 1), positions)
+    assert calls == 2 * ([("stack", False)] + [("layer", False)] * c.num_layers)
 
 
 def test_a_slot_outside_the_cache_is_refused_by_name(smollm_fp32):
@@ -99,4 +105,19 @@ def test_a_slot_outside_the_cache_is_refused_by_name(smollm_fp32):
     batch, positions = decode_batch(1, random.Random(1))
     batch.out_slots = torch.tensor([PAGES * PAGE])
     with pytest.raises(RuntimeError, match=r"slots\[0\] = 4096 is outside the cache's 4096"):
-        step(model, cache, attn, batch, [3], positions, fused=True)
+        step(model, cache, attn, batch, [3], positions)
+
+
+def test_the_stack_refuses_caches_that_do_not_match_its_layers_by_name(smollm_fp32):
+    model, c = smollm_fp32.module, smollm_fp32.config
+    cache, attn = cache_and_backend(c, seed=2)
+    batch, positions = decode_batch(1, random.Random(2))
+    attn.prepare(batch)
+    paged = attn.decode_in_place(0)
+    h = torch.randn(1, c.hidden_size)
+    cos, sin = torch.ones(1, 1, c.head_dim), torch.zeros(1, 1, c.head_dim)
+    with pytest.raises(RuntimeError, match=rf"k_caches, v_caches and windows: one a layer \({c.num_layers}\), got 1, 1 and 1"):
+        model.fused_stack.stack.forward(h, cos, sin, [paged.k_cache], [paged.v_cache], paged.slots, paged.page_table,
+                                        paged.kv_lens, paged.scale, [0])
+    with pytest.raises(RuntimeError, match="weights must be 14 tensors a layer, got 3"):
+        torch.classes.tandem.DecodeStackQ4([h, h, h], 1e-5, c.num_heads, c.num_kv_heads)

@@ -65,6 +65,13 @@ def test_bench_step_compares_fused_layers_with_op_by_op():
     assert line["compare"] == "fused-layer" and line["fused_ms"] > 0 and line["op_by_op_ms"] > 0
 
 
+def test_bench_step_compares_the_fused_stack_with_a_call_per_layer():
+    line = last_line(bench_step("--compare", "fused-stack", "--dtype", "float32", "--rows", "1", "--context", "20",
+                                "--kv-tokens", "1024"))
+    assert line["compare"] == "fused-stack" and line["stack_ms"] > 0 and line["layers_ms"] > 0
+    assert line["stack_vs_layers"] > 0
+
+
 def test_bench_step_compares_prompt_attention_where_prompts_run_in_bfloat16():
     from tandem.server.model import _native_bf16_flags, runnable_flags
 
