@@ -172,19 +172,21 @@ def test_a_cpu_cache_asks_linux_for_huge_pages(huge_pages):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("window", [0, 40, 520])
 def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cache_dtype, window):
     """The kernel alone: GQA group sizes 1 to 8, head dims that are and are not multiples of 16,
-    sequences of 1 to 300 tokens on scattered pages of 16; a bfloat16 cache is widened exactly, so
+    sequences of 1 to 700 tokens on scattered pages of 16; a bfloat16 cache is widened exactly, so
     the float32 math is as close to float64 on its values as on a float32 cache's. A window of 40
-    starts mid-page, within the longer sequences."""
+    starts mid-page, within the longer sequences. Over 256 positions a sequence's KV is attended in
+    parts and merged (300: two parts, 700 or a window of 520: three); a sequence's output is the same
+    in any batch."""
     if cpu_ops_unavailable() is not None:
         return assert_kernel_absent_for_a_reason()
     torch.manual_seed(heads)
-    P, lens = 16, [1, 17, 300, 64]
-    k_cache, v_cache = torch.randn(2, 96, P, kv_heads, dim).to(cache_dtype).unbind(0)
+    P, lens = 16, [1, 17, 300, 64, 700]
+    k_cache, v_cache = torch.randn(2, 256, P, kv_heads, dim).to(cache_dtype).unbind(0)
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    perm = torch.randperm(96)
+    perm = torch.randperm(256)
     width = -(-max(lens) // P)
     tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(lens))])
     q = torch.randn(len(lens), heads, dim)
@@ -195,6 +197,10 @@ def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cac
         v = v_cache[tables[b]].reshape(-1, kv_heads, dim)[first:L].double().repeat_interleave(heads // kv_heads, 1)
         p = (torch.einsum("hd,khd->hk", q[b].double(), k) * dim**-0.5).softmax(-1)
         torch.testing.assert_close(out[b].double(), torch.einsum("hk,khd->hd", p, v), atol=1e-5, rtol=1e-5)
+    for b in (2, 4):  # alone, as in the batch
+        alone = torch.ops.tandem.paged_decode_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1],
+                                                        torch.tensor(lens[b : b + 1]), dim**-0.5, window)
+        assert torch.equal(alone[0], out[b])
 
 
 def test_paged_decode_attention_rejects_a_length_beyond_its_pages():
