@@ -408,9 +408,10 @@ def _add_bench_step(bench_sub: argparse._SubParsersAction) -> None:
     bstep = bench_sub.add_parser("step", help="one decode step of the model per batch size in two forms, alternated "
                                  "in one run: native layer ops vs torch's, the KV cache on huge vs 4 KiB pages, or decode "
                                  "attention read in place vs gathered, the layers as native calls vs op by op, all layers in one "
-                                 "call vs one per layer, the "
+                                 "call vs one per layer, weights prefetched vs not, the "
                                  "weights' forms, or (a prefill pass) prompt attention in bfloat16 vs float32")
     bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "fused-layer", "fused-stack",
+                                             "weight-prefetch",
                                              "prompt-attention", "weights"],
                        default="layer-ops")
     bstep.add_argument("--model", default=EngineConfig.model)

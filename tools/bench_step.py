@@ -10,6 +10,8 @@ in two forms alternated within one run so both see the same machine:
 - `--compare fused-layer`: the decoder layers as native calls (`kernels.fused_decode`: all of them in
   one) against the same kernels called op by op from Python;
 - `--compare fused-stack`: all layers in one native call against one call per layer;
+- `--compare weight-prefetch`: the block kernels asking for weight rows ahead of use (4 rows, the
+  default) against the hardware's prefetcher alone;
 - `--compare prompt-attention`: a prefill pass instead (`rows` prompts of `--context` tokens), its
   prompt attention in the bfloat16 of a float32 model's prompt products (`--prefill-dtype`) against
   float32;
@@ -115,9 +117,13 @@ def run(args) -> int:
                              "(float32, 4-bit blocks, plain Llama layers, one rank)")
         attn = backend(True)
         forms = {"stack": (model, attn, True), "layers": (model, attn, True)}
+    elif args.compare == "weight-prefetch":
+        attn = backend(True)
+        forms = {"prefetch": (model, attn, True), "none": (model, attn, True)}
     else:
         attn = backend(True)
         forms = {"native": (model, attn, True), "torch": (model, attn, False)}
+    prefetch_rows = torch.ops.tandem.weight_prefetch() if native else 0  # the library's default
     stack = model.fused_stack
     rng = random.Random(0)
     num_pages = args.kv_tokens // PAGE_SIZE
@@ -139,6 +145,8 @@ def run(args) -> int:
                 fused_decode.use_fused_decode(name != "op_by_op")
                 if args.compare == "fused-stack":
                     model.fused_stack = stack if name == "stack" else None
+                if args.compare == "weight-prefetch":
+                    torch.ops.tandem.set_weight_prefetch(0 if name == "none" else prefetch_rows)
                 start = time.perf_counter()
                 attn.prepare(batch)
                 form.logits(form(ids, positions, attn)[sampled])
@@ -147,6 +155,8 @@ def run(args) -> int:
         layer_ops._kernels_ready[:] = [True]
         fused_decode.use_fused_decode(True)
         model.fused_stack = stack
+        if native:
+            torch.ops.tandem.set_weight_prefetch(prefetch_rows)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         first, *others = ms
         print(json.dumps({

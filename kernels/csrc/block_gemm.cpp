@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "block_weights.h"
 
@@ -33,6 +34,9 @@ void tile(const float* x, int64_t K, const int8_t* q, const float* scale, const 
     const int8_t* qn = q + n * K;
     const float* sn = scale + n * nb;
     const float* on = offset + n * nb;
+    tandem_blocks::prefetch_ahead(q, K, n, N);
+    tandem_blocks::prefetch_ahead(scale, nb * 4, n, N);
+    tandem_blocks::prefetch_ahead(offset, nb * 4, n, N);
     __m256 acc[MT][A];
     for (int m = 0; m < MT; ++m)
       for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
@@ -60,8 +64,18 @@ at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   return tandem_blocks::multiply(x, x.data_ptr<float>(), q, scale, offset, kTiles, tile_rows);
 }
 
+// How many rows ahead the block kernels prefetch weights (block_weights.h); set returns the former value.
+int64_t weight_prefetch() { return tandem_blocks::prefetch_rows; }
+
+int64_t set_weight_prefetch(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= 64, "rows must be 0 (off) to 64, got ", rows);
+  return std::exchange(tandem_blocks::prefetch_rows, rows);
+}
+
 TORCH_LIBRARY(tandem, m) {
   m.def("block_gemm(Tensor x, Tensor q, Tensor scale, Tensor offset, int tile_rows=0) -> Tensor");
+  m.def("weight_prefetch() -> int", &weight_prefetch);
+  m.def("set_weight_prefetch(int rows) -> int", &set_weight_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -48,6 +48,9 @@ void tile_avx2(const float* x, int64_t K, const uint8_t* q, const uint16_t* scal
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qn = q + n * (K / 2);
+    tandem_blocks::prefetch_ahead(q, K / 2, n, N);
+    tandem_blocks::prefetch_ahead(scale, nb * 2, n, N);
+    tandem_blocks::prefetch_ahead(offset, nb * 2, n, N);
     __m256 acc[MT][A];
     for (int m = 0; m < MT; ++m)
       for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();

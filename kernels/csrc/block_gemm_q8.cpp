@@ -29,6 +29,8 @@ void tile_avx2(const float* x, int64_t K, const int8_t* q, const uint16_t* scale
   constexpr int A = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
   const int64_t nb = K / kBlock;
   for (int64_t n = n0; n < n1; ++n) {
+    tandem_blocks::prefetch_ahead(q, K, n, N);
+    tandem_blocks::prefetch_ahead(scale, nb * 2, n, N);
     __m256 acc[MT][A];
     for (int m = 0; m < MT; ++m)
       for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "block_weights.h"
+
 #define TANDEM_AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 
 namespace tandem_blocks {
@@ -29,6 +31,9 @@ TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const typename 
   alignas(64) float s[kGroup], o[kGroup] = {};
   for (int64_t n = n0; n < n1; ++n) {
     const typename Block::Value* qn = q + n * (nb * Block::kBytes);
+    prefetch_ahead(q, nb * Block::kBytes * static_cast<int64_t>(sizeof(typename Block::Value)), n, N);
+    prefetch_ahead(scale, nb * 2, n, N);
+    if (offset != nullptr) prefetch_ahead(offset, nb * 2, n, N);
     __m512 acc[MT][P][2];
     for (int m = 0; m < MT; ++m)
       for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = _mm512_setzero_ps();

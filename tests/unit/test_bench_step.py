@@ -72,6 +72,11 @@ def test_bench_step_compares_the_fused_stack_with_a_call_per_layer():
     assert line["stack_vs_layers"] > 0
 
 
+def test_bench_step_compares_weight_prefetch_with_none():
+    line = last_line(bench_step("--compare", "weight-prefetch", "--rows", "1", "--context", "20", "--kv-tokens", "1024"))
+    assert line["compare"] == "weight-prefetch" and line["prefetch_ms"] > 0 and line["none_ms"] > 0
+
+
 def test_bench_step_compares_prompt_attention_where_prompts_run_in_bfloat16():
     from tandem.server.model import _native_bf16_flags, runnable_flags
 
