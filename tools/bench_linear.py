@@ -2,14 +2,16 @@
 held in, at the batch sizes a step runs: `F.linear` on the [out, in] weight, `x @ W` on the
 transposed weight, `tandem.kernels.linear.Linear` (oneDNN-packed on CPU where it can take
 the dtype), in float32 and bfloat16, and in float32 also tandem's block kernels over GGUF-style
-blocks, in 4 bits (`block_gemm_q4`, what decode steps of up to 8 rows use for GGUF's Q4 tensors)
-and as int8 (`block_gemm`), and torch's weight-only int8 kernel (`_weight_int8pack_mm`, per-channel scales). Prints milliseconds per
+blocks, in 4 bits (`block_gemm_q4`, what decode steps of up to 8 rows use for GGUF's Q4 tensors),
+in 8 bits with float16 scales (`block_gemm_q8`, what they use for Q8_0 tensors, the LM head of the
+built-in model) and as int8 (`block_gemm`), and torch's weight-only int8 kernel (`_weight_int8pack_mm`, per-channel scales). Prints milliseconds per
 product and each form's time over `F.linear`'s, as one JSON line per shape and batch size. Small
 projections stay in cache between repeats here; a decode step streams them all from memory.
 
 `--whole-model` times what a step does instead: one pass over all of the model's projections, each
 layer's own weights (so they stream from memory), per batch size, in the forms a float32 model on
-a CPU can use: the 4-bit blocks (`block_gemm_q4`; with AVX-512 also its AVX2 functions), the int8
+a CPU can use: the 4-bit blocks (`block_gemm_q4`; with AVX-512 also its AVX2 functions), the
+8-bit blocks (`block_gemm_q8`, Q8_0-like values), the int8
 blocks in float32 and in bfloat16 (`block_gemm`, `block_gemm_bf16`) and oneDNN over float32 and
 bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
 whatever the projection's width (`8-row tiles`), against the default, which fits each tile of x
@@ -26,8 +28,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import (BlockWeights, Nibbles, bfloat16_blocks_unavailable, block_gemm,
-                                         block_gemm_bf16, block_gemm_q4)
+from tandem.kernels.block_linear import (BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable, block_gemm,
+                                         block_gemm_bf16, block_gemm_q4, block_gemm_q8)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import Linear, onednn_supports
 
@@ -72,6 +74,11 @@ def random_blocks(n_out: int, n_in: int) -> BlockWeights:
                         (torch.rand(n_out, n_in // 32) * -0.05).half().float())
 
 
+def random_q8_blocks(n_out: int, n_in: int) -> Bytes:
+    """Q8_0-like blocks: values -128..127, float16 scales, no offset."""
+    return Bytes(torch.randint(-128, 128, (n_out, n_in), dtype=torch.int8), (torch.rand(n_out, n_in // 32) * 0.01).half())
+
+
 def run_whole_model(args) -> int:
     from tandem.server.model.loader import load_weights, resolve_model
 
@@ -82,9 +89,11 @@ def run_whole_model(args) -> int:
         raise SystemExit(f"--whole-model compares tandem's block kernels, which cannot run here: {why}")
     blocks = [random_blocks(*shape) for shape in shapes]
     nibbles = [Nibbles.pack(b) for b in blocks]
+    eight_bit = [random_q8_blocks(*shape) for shape in shapes]
     avx512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
     forms = {"int8 blocks": lambda x: [block_gemm(x[b.q.shape[1]], b) for b in blocks],
-             "4-bit blocks": lambda x: [block_gemm_q4(x[2 * n.q.shape[1]], n) for n in nibbles]}
+             "4-bit blocks": lambda x: [block_gemm_q4(x[2 * n.q.shape[1]], n) for n in nibbles],
+             "8-bit blocks": lambda x: [block_gemm_q8(x[b.q.shape[1]], b) for b in eight_bit]}
     if avx512:
         forms["4-bit blocks, AVX2"] = lambda x: [block_gemm_q4(x[2 * n.q.shape[1]], n, avx512=0) for n in nibbles]
     forms.update({
@@ -136,6 +145,8 @@ def run(args) -> int:
                         nibbles = Nibbles.pack(blocks)
                         times["4-bit blocks"] = seconds_per_call(lambda: block_gemm_q4(x, nibbles))
                         times["int8 blocks"] = seconds_per_call(lambda: block_gemm(x, blocks))
+                        eight_bit = random_q8_blocks(n_out, n_in)
+                        times["8-bit blocks"] = seconds_per_call(lambda: block_gemm_q8(x, eight_bit))
                     if bfloat16_blocks_unavailable() is None:
                         times["int8 blocks, bfloat16"] = seconds_per_call(lambda: block_gemm_bf16(x, blocks))
                 base = times["F.linear"]
