@@ -29,7 +29,6 @@
 
 namespace {
 
-using tandem_blocks::has_avx512;
 using tandem_blocks::kBlock;
 using tandem_blocks::kMaxTile;
 constexpr int64_t kBlockBytes = kBlock / 2;
@@ -106,25 +105,14 @@ at::Tensor block_gemm_q4(const at::Tensor& x_in, const at::Tensor& q, const at::
                          const at::Tensor& offset, int64_t tile_rows, int64_t avx512) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const int64_t K = x.size(1), N = q.size(0);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && K % kBlock == 0 &&
               q.size(1) == K / 2, "q must be contiguous uint8 [N, K / 2] with K = x.size(1), a multiple of 32");
   TORCH_CHECK(scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf && scale.is_contiguous() &&
               offset.is_contiguous() && scale.numel() == N * (K / kBlock) && offset.numel() == N * (K / kBlock),
               "scale and offset must be contiguous float16 [N, K / 32]");
-  TORCH_CHECK(avx512 != 1 || has_avx512(), "block_gemm_q4: avx512=1 on a CPU without AVX-512 F and BW");
-  const TileFn* tiles = (avx512 == 1 || (avx512 == -1 && has_avx512())) ? kAvx512 : kAvx2;
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const auto* op = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  const int64_t rows_per_tile = tandem_blocks::tile_rows(tile_rows, K, sizeof(float));
-  tandem_blocks::for_each_tile(M, N, rows_per_tile, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
-    tiles[rows](xp + m0 * K, K, qp, sp, op, yp + m0 * N, N, n0, n1);
-  });
-  return y;
+  return tandem_blocks::multiply_f16("block_gemm_q4", x, q.data_ptr<uint8_t>(), N, scale, &offset, kAvx2, kAvx512,
+                                     tile_rows, avx512);
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {

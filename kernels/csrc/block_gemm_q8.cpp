@@ -19,7 +19,6 @@
 
 namespace {
 
-using tandem_blocks::has_avx512;
 using tandem_blocks::kBlock;
 using tandem_blocks::kMaxTile;
 
@@ -80,23 +79,13 @@ at::Tensor block_gemm_q8(const at::Tensor& x_in, const at::Tensor& q, const at::
                          int64_t avx512) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const int64_t K = x.size(1), N = q.size(0);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && K % kBlock == 0 && q.size(1) == K,
               "q must be contiguous int8 [N, K] with K = x.size(1), a multiple of 32");
   TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
               "scale must be contiguous float16 [N, K / 32]");
-  TORCH_CHECK(avx512 != 1 || has_avx512(), "block_gemm_q8: avx512=1 on a CPU without AVX-512 F and BW");
-  const TileFn* tiles = (avx512 == 1 || (avx512 == -1 && has_avx512())) ? kAvx512 : kAvx2;
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
-  const int64_t rows_per_tile = tandem_blocks::tile_rows(tile_rows, K, sizeof(float));
-  tandem_blocks::for_each_tile(M, N, rows_per_tile, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
-    tiles[rows](xp + m0 * K, K, qp, sp, nullptr, yp + m0 * N, N, n0, n1);
-  });
-  return y;
+  return tandem_blocks::multiply_f16("block_gemm_q8", x, q.data_ptr<int8_t>(), N, scale, nullptr, kAvx2, kAvx512,
+                                     tile_rows, avx512);
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {

@@ -74,4 +74,27 @@ TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const typename 
   }
 }
 
+// What block_gemm_q4 and block_gemm_q8 do once their operands are checked: y [M, N] = x @ W.T for x
+// contiguous float32 and a weight of N rows whose scales (and offsets; nullptr where it has none) are
+// float16, with the AVX-512 tiles where `avx512` asks for them (-1: where the CPU has them; 0:
+// never; 1: always, refused by `name` where the CPU lacks them), else the AVX2 ones.
+template <typename Value, typename TileFn>
+at::Tensor multiply_f16(const char* name, const at::Tensor& x, const Value* q, int64_t N, const at::Tensor& scale,
+                        const at::Tensor* offset, const TileFn* avx2_tiles, const TileFn* avx512_tiles,
+                        int64_t tile_rows_asked, int64_t avx512) {
+  TORCH_CHECK(avx512 != 1 || has_avx512(), name, ": avx512=1 on a CPU without AVX-512 F and BW");
+  const TileFn* tiles = (avx512 == 1 || (avx512 == -1 && has_avx512())) ? avx512_tiles : avx2_tiles;
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* op = offset == nullptr ? nullptr : reinterpret_cast<const uint16_t*>(offset->data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  const int64_t rows_per_tile = tile_rows(tile_rows_asked, K, sizeof(float));
+  for_each_tile(M, N, rows_per_tile, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+    tiles[rows](xp + m0 * K, K, q, sp, op, yp + m0 * N, N, n0, n1);
+  });
+  return y;
+}
+
 }  // namespace tandem_blocks

@@ -117,7 +117,6 @@ struct DecodeStackQ4 : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.class_<DecodeStackQ4>("DecodeStackQ4")
       .def(torch::init<std::vector<at::Tensor>, double, int64_t, int64_t>())
-      .def("num_layers", &DecodeStackQ4::num_layers)
       .def("forward", &DecodeStackQ4::forward);
   m.def("decode_layer_q4(Tensor(a!) h, Tensor? delta, Tensor input_norm, Tensor mlp_norm, float eps, Tensor[] qkv, "
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
