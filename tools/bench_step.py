@@ -123,7 +123,8 @@ def run(args) -> int:
     else:
         attn = backend(True)
         forms = {"native": (model, attn, True), "torch": (model, attn, False)}
-    prefetch_rows = torch.ops.tandem.weight_prefetch() if native else 0  # the library's default
+    # the library's own prefetch distance, set back after each batch size
+    prefetch_rows = torch.ops.tandem.weight_prefetch() if args.compare == "weight-prefetch" else 0
     stack = model.fused_stack
     rng = random.Random(0)
     num_pages = args.kv_tokens // PAGE_SIZE
@@ -155,7 +156,7 @@ def run(args) -> int:
         layer_ops._kernels_ready[:] = [True]
         fused_decode.use_fused_decode(True)
         model.fused_stack = stack
-        if native:
+        if args.compare == "weight-prefetch":
             torch.ops.tandem.set_weight_prefetch(prefetch_rows)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         first, *others = ms
