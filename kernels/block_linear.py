@@ -15,10 +15,11 @@ rebuilding the same values.
 It pays where decoding is bound by weight bandwidth, a few rows at a time; larger batches go to
 oneDNN (`Linear` picks per call; `BLOCK_MAX_ROWS`). `tandem bench linear` measures both.
 
-`block_gemm_bf16` (csrc/block_gemm_bf16.cpp) streams the same blocks but rounds the rebuilt weights
-and x to bfloat16 and multiplies with AVX512-BF16's dot products (float32 sums): where several rows
-make the float32 kernel bound by arithmetic, not bytes, it does the same product in about two thirds
-of the time. It is not exact: `Linear` uses it only where products are asked to run in bfloat16.
+`block_gemm_bf16` (csrc/block_gemm_bf16.cpp) streams the same blocks, in any of the three forms, but
+rounds the rebuilt weights and x to bfloat16 and multiplies with AVX512-BF16's dot products (float32
+sums): where several rows make the float32 kernels bound by arithmetic, not bytes, it does the same
+product in less time. It is not exact: `Linear` uses it only where products are asked to run in
+bfloat16.
 """
 
 from __future__ import annotations
@@ -157,8 +158,13 @@ def block_gemm_q8(x: torch.Tensor, w: Bytes, tile_rows: int = 0, avx512: int = -
     return torch.ops.tandem.block_gemm_q8(x, w.q, w.scale, tile_rows, avx512)
 
 
-def block_gemm_bf16(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
-    """x [M, K] float32 @ w.T -> [M, N] float32, both rounded to bfloat16 and multiplied in it."""
+def block_gemm_bf16(x: torch.Tensor, w: BlockWeights | Nibbles | Bytes) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32, both rounded to bfloat16 and multiplied in it, for
+    blocks in any of the three forms (the weight rounded as its dequantized float32 values would be)."""
+    if isinstance(w, Nibbles):
+        return torch.ops.tandem.block_gemm_q4_bf16(x, w.q, w.scale, w.offset)
+    if isinstance(w, Bytes):
+        return torch.ops.tandem.block_gemm_q8_bf16(x, w.q, w.scale)
     return torch.ops.tandem.block_gemm_bf16(x, w.q, w.scale, w.offset)
 
 

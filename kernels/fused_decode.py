@@ -2,7 +2,9 @@
 layer and the step allow it: float32 on a CPU that runs tandem's kernels, the four projections in
 4-bit blocks without biases (`Linear` over `Nibbles`), a plain Llama layer (SiLU MLP, no extra
 norms, one rank), and a step of decodes alone that the attention backend reads in place from the
-paged cache (`AttentionBackend.decode_in_place`), of at most `BLOCK_MAX_ROWS` rows.
+paged cache (`AttentionBackend.decode_in_place`), of at most `BLOCK_MAX_ROWS` rows. Where the
+layer's projections take steps of `BFLOAT16_MIN_ROWS` rows or more in bfloat16 (`Linear.bfloat16_blocks`),
+so does the call.
 
 The call runs the kernels the Python layer runs, in the same order, on the same values: its output
 equals that layer's bit for bit (tests/engine/test_fused_decode.py). What it saves is the glue: ~25
@@ -19,7 +21,7 @@ import torch
 from tandem.kernels import layer_ops
 from tandem.kernels.attention import AttentionBackend
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, Nibbles
-from tandem.kernels.linear import Linear
+from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
 
 _enabled = [True]
 
@@ -38,6 +40,8 @@ class FusedDecodeLayer:
         self.input_norm, self.mlp_norm, self.eps = input_norm, mlp_norm, eps
         self.qkv, self.o, self.gate_up, self.down = ([p.blocks.q, p.blocks.scale, p.blocks.offset] for p in projections)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        # steps of this many rows multiply in bfloat16, as the Linears do (0: never)
+        self.bfloat16_rows = BFLOAT16_MIN_ROWS if projections[0].bfloat16_blocks else 0
 
     @staticmethod
     def build(input_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float,
@@ -46,6 +50,8 @@ class FusedDecodeLayer:
         """The fused form of a layer with these parts, or None where they do not allow it (the
         projections not all 4-bit blocks without bias, the norms not float32 on the CPU)."""
         if not all(isinstance(p.blocks, Nibbles) and p.bias is None for p in projections):
+            return None
+        if len({p.bfloat16_blocks for p in projections}) > 1:
             return None
         if input_norm.device.type != "cpu" or input_norm.dtype != torch.float32:
             return None
@@ -63,7 +69,7 @@ class FusedDecodeLayer:
         return torch.ops.tandem.decode_layer_q4(
             h, delta, self.input_norm, self.mlp_norm, self.eps, self.qkv, self.o, self.gate_up, self.down, cos, sin,
             paged.k_cache, paged.v_cache, paged.slots, paged.page_table, paged.kv_lens, self.num_heads,
-            self.num_kv_heads, paged.scale, paged.window)
+            self.num_kv_heads, paged.scale, paged.window, self.bfloat16_rows)
 
 
 class FusedDecodeStack:
@@ -74,7 +80,8 @@ class FusedDecodeStack:
     def __init__(self, layers: list[FusedDecodeLayer]):
         first = layers[0]
         weights = [t for f in layers for t in (f.input_norm, f.mlp_norm, *f.qkv, *f.o, *f.gate_up, *f.down)]
-        self.stack = torch.classes.tandem.DecodeStackQ4(weights, first.eps, first.num_heads, first.num_kv_heads)
+        self.stack = torch.classes.tandem.DecodeStackQ4(weights, first.eps, first.num_heads, first.num_kv_heads,
+                                                        first.bfloat16_rows)
         self.num_layers = len(layers)
         # per attention backend: each layer's K and V caches and window (dropped with the backend)
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -82,11 +89,12 @@ class FusedDecodeStack:
     @staticmethod
     def build(layers: list[FusedDecodeLayer | None]) -> FusedDecodeStack | None:
         """The stack of these layers, or None where one of them cannot be fused or they differ in
-        their eps or heads."""
+        their eps, heads or bfloat16 rows."""
         if not layers or any(f is None for f in layers):
             return None
         first = layers[0]
-        if any((f.eps, f.num_heads, f.num_kv_heads) != (first.eps, first.num_heads, first.num_kv_heads) for f in layers):
+        shape = (first.eps, first.num_heads, first.num_kv_heads, first.bfloat16_rows)
+        if any((f.eps, f.num_heads, f.num_kv_heads, f.bfloat16_rows) != shape for f in layers):
             return None
         return FusedDecodeStack(layers)
 

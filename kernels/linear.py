@@ -66,7 +66,7 @@ class Linear:
             self.blocks = (four_bit and Nibbles.pack(blocks)) or Bytes.pack(blocks) or blocks
         if prefill_dtype not in (None, torch.float32) and float32_on_cpu:
             self.prefill = Linear(weight.to(prefill_dtype))
-            self.bfloat16_blocks = (isinstance(self.blocks, BlockWeights) and prefill_dtype == torch.bfloat16
+            self.bfloat16_blocks = (self.blocks is not None and prefill_dtype == torch.bfloat16
                                     and bfloat16_blocks_unavailable() is None)
         if self.blocks is not None and self.prefill is not None:
             self.weight = None  # every product goes to one of those two: no third copy
@@ -103,12 +103,12 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
-            if isinstance(self.blocks, Nibbles):
+            if self.bfloat16_blocks and rows >= BFLOAT16_MIN_ROWS:
+                y = block_gemm_bf16(x, self.blocks)
+            elif isinstance(self.blocks, Nibbles):
                 y = block_gemm_q4(x, self.blocks)
             elif isinstance(self.blocks, Bytes):
                 y = block_gemm_q8(x, self.blocks)
-            elif self.bfloat16_blocks and rows >= BFLOAT16_MIN_ROWS:
-                y = block_gemm_bf16(x, self.blocks)
             else:
                 y = block_gemm(x, self.blocks)
             return y if self.bias is None else y + self.bias

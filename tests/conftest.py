@@ -24,6 +24,15 @@ def smollm_fp32():
     return load_model("builtin:smollm2-135m", "float32", "cpu")
 
 
+@pytest.fixture(scope="session")
+def smollm_bf16_prefill():
+    """The built-in model in float32 with its products over many rows in bfloat16 (what `auto` picks
+    on a CPU with AVX512-BF16): prompt pieces, and decode steps from BFLOAT16_MIN_ROWS rows."""
+    from tandem.server.model import load_model
+
+    return load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16")
+
+
 @pytest.fixture
 def make_engine(smollm_fp32):
     """Factory: make_engine(**EngineConfig overrides) -> a running Engine on the shared fp32 model."""

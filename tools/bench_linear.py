@@ -12,8 +12,8 @@ projections stay in cache between repeats here; a decode step streams them all f
 layer's own weights (so they stream from memory), per batch size, in the forms a float32 model on
 a CPU can use: the 4-bit blocks (`block_gemm_q4`; with AVX-512 also its AVX2 functions), the
 8-bit blocks (`block_gemm_q8`, Q8_0-like values), the int8
-blocks in float32 and in bfloat16 (`block_gemm`, `block_gemm_bf16`) and oneDNN over float32 and
-bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
+blocks in float32 (`block_gemm`), all three block forms in bfloat16 where the CPU has AVX512-BF16
+(`block_gemm_bf16`) and oneDNN over float32 and bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
 whatever the projection's width (`8-row tiles`), against the default, which fits each tile of x
 in L1. The forms are timed in turn (median of 15 rounds); each form's time over the float32
 blocks'.
@@ -100,6 +100,8 @@ def run_whole_model(args) -> int:
              "int8 blocks, 8-row tiles": lambda x: [block_gemm(x[b.q.shape[1]], b, tile_rows=8) for b in blocks]})
     if bfloat16_blocks_unavailable() is None:
         forms["int8 blocks, bfloat16"] = lambda x: [block_gemm_bf16(x[b.q.shape[1]], b) for b in blocks]
+        forms["4-bit blocks, bfloat16"] = lambda x: [block_gemm_bf16(x[2 * n.q.shape[1]], n) for n in nibbles]
+        forms["8-bit blocks, bfloat16"] = lambda x: [block_gemm_bf16(x[b.q.shape[1]], b) for b in eight_bit]
     for dtype in (torch.float32, torch.bfloat16):
         if onednn_supports(dtype):
             linears = [Linear(b.dequantize().to(dtype)) for b in blocks]

@@ -1,20 +1,22 @@
-// y = x @ W.T over the same 32-wide int8 blocks as block_gemm.cpp, multiplied in bfloat16: each block of
-// W is rebuilt in float32 (q * scale + offset, one fused multiply-add, as there) and rounded to bfloat16,
-// x is rounded to bfloat16 once per call, and AVX512-BF16's dot-product instruction accumulates their
-// products in float32, 32 per instruction where float32 FMAs do 8 (16 with AVX-512). The rounding is
-// that of a bfloat16 copy of the weight (round to nearest even, as torch's .to(torch.bfloat16)), so
-// the result matches oneDNN's bfloat16 product up to the order of the float32 sums.
+// y = x @ W.T over 32-wide blocks multiplied in bfloat16, for each form the float32 kernels read:
+// block_gemm.cpp's int8 blocks (block_gemm_bf16), GGUF's 4-bit Q4_0/Q4_1 (block_gemm_q4_bf16) and its
+// Q8_0 (block_gemm_q8_bf16). Each block of W is rebuilt in float32 as the float32 kernels rebuild it
+// (the file's dequantized values, exactly) and rounded to bfloat16; x is rounded to bfloat16 once per
+// call, and AVX512-BF16's dot-product instruction accumulates their products in float32, 32 per
+// instruction where float32 FMAs do 16. The rounding is that of a bfloat16 copy of the dequantized
+// weight (round to nearest even, as torch's .to(torch.bfloat16)), so the result matches a bfloat16
+// product over that copy (oneDNN's) up to the order of the float32 sums.
 //
 // It pays where a step multiplies enough rows to be bound by arithmetic rather than by the bytes of the
 // weight: decode batches of several requests. The functions carry their own target attribute, so the
-// library builds anywhere; the operator refuses to run on a CPU without AVX512-BF16.
-// Registered as torch.ops.tandem.block_gemm_bf16.
+// library builds anywhere; the operators refuse to run on a CPU without AVX512-BF16.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
 
+#include "block_tiles_avx512.h"
 #include "block_weights.h"
 
 #define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -33,30 +35,46 @@ TANDEM_BF16_TARGET inline __m256 lane_sums(const __m256* f) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-TANDEM_BF16_TARGET inline __m512bh rebuild(const int8_t* qb, float scale, float offset) {
-  const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
-  const __m128i* p = reinterpret_cast<const __m128i*>(qb);
-  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))), s, o);
-  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s, o);
-  return _mm512_cvtne2ps_pbh(hi, lo);  // 32 bfloat16 in k order: lo's 16, then hi's
-}
+// block_gemm.cpp's int8 blocks (float32 scale and offset), rebuilt as block_gemm rebuilds them.
+struct Int8Blocks {
+  using Value = int8_t;
+  static constexpr int64_t kBytes = kBlock;
 
-// Rows [0, MT) of x (bfloat16) against weight rows [n0, n1), eight weight rows at a time: each row of x
-// keeps one accumulator per weight row, folded to 8 lanes, and the group's sums are reduced together
-// (one horizontal sum per weight row per row of x would cost a quarter of the arithmetic).
-template <int MT>
-TANDEM_BF16_TARGET void tile(const uint16_t* x, int64_t K, const int8_t* q, const float* scale, const float* offset,
-                             float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nb = K / kBlock;
+  TANDEM_BF16_TARGET static void rebuild(const int8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
+    const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+    const __m128i* p = reinterpret_cast<const __m128i*>(qb);
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))), s, o);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s, o);
+  }
+};
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t half) { return _cvtsh_ss(half); }
+
+// Rows [0, MT) of x (bfloat16) against weight rows [n0, n1) of blocks in `Block`'s form (Int8Blocks,
+// or block_tiles_avx512.h's Nibbles and Bytes) with scales and offsets of type `Scale` (offset nullptr
+// where there are none), eight weight rows at a time: each row of x keeps one accumulator per weight
+// row, folded to 8 lanes, and the group's sums are reduced together (one horizontal sum per weight
+// row per row of x would cost a quarter of the arithmetic).
+template <int MT, typename Block, typename Scale>
+TANDEM_BF16_TARGET void tile(const uint16_t* x, int64_t K, const typename Block::Value* q, const Scale* scale,
+                             const Scale* offset, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock, row_values = nb * Block::kBytes;
   for (int64_t g = n0; g < n1; g += kGroup) {
     const int64_t size = std::min(kGroup, n1 - g);
     __m256 folded[MT][kGroup];
     for (int64_t t = 0; t < kGroup; ++t) {
       const int64_t n = g + std::min(t, size - 1);  // past the end: repeat the last row, not stored
+      tandem_blocks::prefetch_ahead(q, row_values * static_cast<int64_t>(sizeof(typename Block::Value)), n, N);
+      tandem_blocks::prefetch_ahead(scale, nb * static_cast<int64_t>(sizeof(Scale)), n, N);
+      if (offset != nullptr) tandem_blocks::prefetch_ahead(offset, nb * static_cast<int64_t>(sizeof(Scale)), n, N);
       __m512 acc[MT];
       for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
-        const __m512bh w = rebuild(q + n * K + b * kBlock, scale[n * nb + b], offset[n * nb + b]);
+        __m512 w0, w1;
+        Block::rebuild(q + n * row_values + b * Block::kBytes, widen(scale[n * nb + b]),
+                       offset == nullptr ? 0.0f : widen(offset[n * nb + b]), w0, w1);
+        const __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);  // 32 bfloat16 in k order: w0's 16, then w1's
         for (int m = 0; m < MT; ++m) {
           const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + b * kBlock));
           acc[m] = _mm512_dpbf16_ps(acc[m], w, xb);
@@ -73,25 +91,61 @@ TANDEM_BF16_TARGET void tile(const uint16_t* x, int64_t K, const int8_t* q, cons
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
-                        int64_t);
-constexpr TileFn kTiles[kMaxTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+// y [M, N] float32 = x @ W.T for x [M, K] float32 (rounded to bfloat16 here) and the N weight rows of
+// blocks at q, with their scales and offsets (nullptr where none).
+template <typename Block, typename Scale>
+at::Tensor multiply(const char* name, const at::Tensor& x_in, const typename Block::Value* q, int64_t N,
+                    const Scale* scale, const Scale* offset, int64_t tile_rows_asked) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), name, " needs a CPU with AVX512-BF16");
+  using TileFn = void (*)(const uint16_t*, int64_t, const typename Block::Value*, const Scale*, const Scale*, float*,
+                          int64_t, int64_t, int64_t);
+  static constexpr TileFn kTiles[kMaxTile + 1] = {
+      nullptr, tile<1, Block, Scale>, tile<2, Block, Scale>, tile<3, Block, Scale>, tile<4, Block, Scale>,
+      tile<5, Block, Scale>, tile<6, Block, Scale>, tile<7, Block, Scale>, tile<8, Block, Scale>};
+  const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t rows_per_tile = tandem_blocks::tile_rows(tile_rows_asked, K, sizeof(uint16_t));
+  tandem_blocks::for_each_tile(M, N, rows_per_tile, [&](int64_t m0, int64_t rows, int64_t n0, int64_t n1) {
+    kTiles[rows](xp + m0 * K, K, q, scale, offset, yp + m0 * N, N, n0, n1);
+  });
+  return y;
+}
+
+const uint16_t* halves(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 
 }  // namespace
 
-at::Tensor block_gemm_bf16(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
-                           const at::Tensor& offset, int64_t tile_rows) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "block_gemm_bf16 needs a CPU with AVX512-BF16");
-  tandem_blocks::check(x_in, q, scale, offset);
-  const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
-  return tandem_blocks::multiply(x, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), q, scale, offset,
-                                 kTiles, tile_rows);
+at::Tensor block_gemm_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                           int64_t tile_rows) {
+  tandem_blocks::check(x, q, scale, offset);
+  return multiply<Int8Blocks>("block_gemm_bf16", x, q.data_ptr<int8_t>(), q.size(0), scale.data_ptr<float>(),
+                              offset.data_ptr<float>(), tile_rows);
+}
+
+at::Tensor block_gemm_q4_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                              const at::Tensor& offset, int64_t tile_rows) {
+  tandem_blocks::check_nibbles(x, q, scale, offset);
+  return multiply<tandem_blocks::Nibbles>("block_gemm_q4_bf16", x, q.data_ptr<uint8_t>(), q.size(0), halves(scale),
+                                          halves(offset), tile_rows);
+}
+
+at::Tensor block_gemm_q8_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t tile_rows) {
+  tandem_blocks::check_bytes(x, q, scale);
+  return multiply<tandem_blocks::Bytes>("block_gemm_q8_bf16", x, q.data_ptr<int8_t>(), q.size(0), halves(scale),
+                                        static_cast<const uint16_t*>(nullptr), tile_rows);
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("block_gemm_bf16(Tensor x, Tensor q, Tensor scale, Tensor offset, int tile_rows=0) -> Tensor");
+  m.def("block_gemm_q4_bf16(Tensor x, Tensor q, Tensor scale, Tensor offset, int tile_rows=0) -> Tensor");
+  m.def("block_gemm_q8_bf16(Tensor x, Tensor q, Tensor scale, int tile_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("block_gemm_bf16", &block_gemm_bf16);
+  m.impl("block_gemm_q4_bf16", &block_gemm_q4_bf16);
+  m.impl("block_gemm_q8_bf16", &block_gemm_q8_bf16);
 }

@@ -69,26 +69,11 @@ void tile_avx2(const float* x, int64_t K, const uint8_t* q, const uint16_t* scal
   }
 }
 
-// The same with AVX-512 (block_tiles_avx512.h): one block's 32 weights in two registers, both
-// halves looked up from the block's 16 values (vpermps reads only the low 4 bits of each index, so
-// neither needs a mask; the high half's are shifted down first).
-struct Nibbles {
-  using Value = uint8_t;
-  static constexpr int64_t kBytes = kBlockBytes;
-
-  TANDEM_AVX512_TARGET static void rebuild(const uint8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
-    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
-    w0 = _mm512_permutexvar_ps(bytes, table);
-    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
-  }
-};
-
+// The same with AVX-512: block_tiles_avx512.h's loop over its Nibbles.
 template <int MT>
 TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const uint8_t* q, const uint16_t* scale,
                                       const uint16_t* offset, float* y, int64_t N, int64_t n0, int64_t n1) {
-  tandem_blocks::tile_avx512<MT, Nibbles>(x, K, q, scale, offset, y, N, n0, n1);
+  tandem_blocks::tile_avx512<MT, tandem_blocks::Nibbles>(x, K, q, scale, offset, y, N, n0, n1);
 }
 
 using TileFn = void (*)(const float*, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, float*, int64_t,
@@ -103,14 +88,9 @@ constexpr TileFn kAvx512[kMaxTile + 1] = {nullptr, tile_avx512<1>, tile_avx512<2
 // `avx512`: -1 where the CPU has it, 0 never (AVX2), 1 always (refused where the CPU lacks it).
 at::Tensor block_gemm_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                          const at::Tensor& offset, int64_t tile_rows, int64_t avx512) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  tandem_blocks::check_nibbles(x_in, q, scale, offset);
   const at::Tensor x = x_in.contiguous();
-  const int64_t K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && K % kBlock == 0 &&
-              q.size(1) == K / 2, "q must be contiguous uint8 [N, K / 2] with K = x.size(1), a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf && scale.is_contiguous() &&
-              offset.is_contiguous() && scale.numel() == N * (K / kBlock) && offset.numel() == N * (K / kBlock),
-              "scale and offset must be contiguous float16 [N, K / 32]");
+  const int64_t N = q.size(0);
   return tandem_blocks::multiply_f16("block_gemm_q4", x, q.data_ptr<uint8_t>(), N, scale, &offset, kAvx2, kAvx512,
                                      tile_rows, avx512);
 }

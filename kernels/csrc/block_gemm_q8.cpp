@@ -47,22 +47,10 @@ void tile_avx2(const float* x, int64_t K, const int8_t* q, const uint16_t* scale
   }
 }
 
-struct Bytes {
-  using Value = int8_t;
-  static constexpr int64_t kBytes = kBlock;
-
-  TANDEM_AVX512_TARGET static void rebuild(const int8_t* qb, float scale, float, __m512& w0, __m512& w1) {
-    const __m512 s = _mm512_set1_ps(scale);
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)))), s);
-    w1 = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)))), s);
-  }
-};
-
 template <int MT>
 TANDEM_AVX512_TARGET void tile_avx512(const float* x, int64_t K, const int8_t* q, const uint16_t* scale,
                                       const uint16_t*, float* y, int64_t N, int64_t n0, int64_t n1) {
-  tandem_blocks::tile_avx512<MT, Bytes>(x, K, q, scale, nullptr, y, N, n0, n1);
+  tandem_blocks::tile_avx512<MT, tandem_blocks::Bytes>(x, K, q, scale, nullptr, y, N, n0, n1);
 }
 
 using TileFn = void (*)(const float*, int64_t, const int8_t*, const uint16_t*, const uint16_t*, float*, int64_t,
@@ -77,13 +65,9 @@ constexpr TileFn kAvx512[kMaxTile + 1] = {nullptr, tile_avx512<1>, tile_avx512<2
 // `avx512`: -1 where the CPU has it, 0 never (AVX2), 1 always (refused where the CPU lacks it).
 at::Tensor block_gemm_q8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale, int64_t tile_rows,
                          int64_t avx512) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  tandem_blocks::check_bytes(x_in, q, scale);
   const at::Tensor x = x_in.contiguous();
-  const int64_t K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && K % kBlock == 0 && q.size(1) == K,
-              "q must be contiguous int8 [N, K] with K = x.size(1), a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
-              "scale must be contiguous float16 [N, K / 32]");
+  const int64_t N = q.size(0);
   return tandem_blocks::multiply_f16("block_gemm_q8", x, q.data_ptr<int8_t>(), N, scale, nullptr, kAvx2, kAvx512,
                                      tile_rows, avx512);
 }

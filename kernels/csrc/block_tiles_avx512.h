@@ -1,7 +1,7 @@
 // The AVX-512 loop that block_gemm_q4.cpp and block_gemm_q8.cpp share: rows [0, MT) of x against
 // weight rows [n0, n1) of blocks kept as GGUF keeps them (a float16 scale per 32-wide block, and for
-// Q4 a float16 offset). `Block` says how one block's 32 weights come back as float32 in two
-// registers (Block::rebuild) and how many bytes a block's values take (Block::kBytes); the loop
+// Q4 a float16 offset). `Block` (Nibbles or Bytes, below) says how one block's 32 weights come back
+// as float32 in two registers (Block::rebuild) and how many bytes a block's values take (Block::kBytes); the loop
 // widens the scales and offsets 16 blocks at a time, not one by one, and multiplies. With one or
 // two rows of x, blocks alternate between two pairs of sums, so that a block's multiply-adds wait on
 // the block before last, not the last (the sums' latency, not the loads, bounded the loop).
@@ -19,6 +19,40 @@
 namespace tandem_blocks {
 
 inline bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+
+// The two forms GGUF files keep blocks in, rebuilt in float32 for the loop below (and for the
+// bfloat16 tiles, block_tiles_bf16.h, which round what these give).
+
+// Q4_0 and Q4_1 (block_gemm_q4.cpp): 16 bytes a block, element j in byte j's low nibble and 16 + j in
+// its high one. Both halves are looked up in a register of the block's 16 possible values (i * scale +
+// offset for i in 0..15, one fused multiply-add: rounded as the AVX2 way rounds), one permute each
+// (vpermps reads only the low 4 bits of each index, so neither needs a mask; the high half's are
+// shifted down first).
+struct Nibbles {
+  using Value = uint8_t;
+  static constexpr int64_t kBytes = kBlock / 2;
+
+  TANDEM_AVX512_TARGET static void rebuild(const uint8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+    w0 = _mm512_permutexvar_ps(bytes, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+};
+
+// Q8_0 (block_gemm_q8.cpp): 32 int8 values a block, no offset.
+struct Bytes {
+  using Value = int8_t;
+  static constexpr int64_t kBytes = kBlock;
+
+  TANDEM_AVX512_TARGET static void rebuild(const int8_t* qb, float scale, float, __m512& w0, __m512& w1) {
+    const __m512 s = _mm512_set1_ps(scale);
+    const __m128i* p = reinterpret_cast<const __m128i*>(qb);
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))), s);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s);
+  }
+};
 
 // offset: nullptr where the blocks have none (Block::rebuild then gets 0).
 template <int MT, typename Block>

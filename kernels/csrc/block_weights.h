@@ -1,6 +1,6 @@
-// What block_gemm.cpp and block_gemm_bf16.cpp share: the layout of a weight held as 32-wide int8
-// blocks (q [N, K] int8, scale and offset [N, K / 32] float32), its checks, and the loop that splits
-// the weight's rows between threads.
+// What the block kernels share: the layouts of a weight held as 32-wide blocks (block_gemm.cpp's int8
+// blocks: q [N, K] int8, scale and offset [N, K / 32] float32; and GGUF's own 4-bit and 8-bit forms),
+// their checks, and the loop that splits the weight's rows between threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -51,6 +51,29 @@ inline void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sc
   TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat &&
               scale.is_contiguous() && offset.is_contiguous() && scale.numel() == N * (K / kBlock) &&
               offset.numel() == N * (K / kBlock), "scale and offset must be contiguous float32 [N, K / 32]");
+}
+
+// The same for 4-bit blocks as GGUF keeps Q4_0 and Q4_1 (block_gemm_q4.cpp): q [N, K / 2] uint8, scale and
+// offset [N, K / 32] float16.
+inline void check_nibbles(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && K % kBlock == 0 &&
+              q.size(1) == K / 2, "q must be contiguous uint8 [N, K / 2] with K = x.size(1), a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf && scale.is_contiguous() &&
+              offset.is_contiguous() && scale.numel() == N * (K / kBlock) && offset.numel() == N * (K / kBlock),
+              "scale and offset must be contiguous float16 [N, K / 32]");
+}
+
+// And for int8 blocks with a float16 scale, as GGUF keeps Q8_0 (block_gemm_q8.cpp): q [N, K] int8,
+// scale [N, K / 32] float16.
+inline void check_bytes(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && K % kBlock == 0 && q.size(1) == K,
+              "q must be contiguous int8 [N, K] with K = x.size(1), a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == N * (K / kBlock),
+              "scale must be contiguous float16 [N, K / 32]");
 }
 
 // Threads split the weight's N rows; each streams its rows once per tile of up to `rows_per_tile`

@@ -19,9 +19,11 @@
 
 namespace {
 
-// A projection's 4-bit weight as three tensors: [q, scale, offset] (block_gemm_q4's operands).
-at::Tensor project(const at::Tensor& x, at::TensorList w, const char* name) {
+// A projection's 4-bit weight as three tensors: [q, scale, offset] (block_gemm_q4's operands), over
+// x's rows in float32, or in bfloat16 from `bfloat16_rows` rows (0: never), as Linear multiplies them.
+at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t bfloat16_rows, const char* name) {
   TORCH_CHECK(w.size() == 3, name, " must be [q, scale, offset], got ", w.size(), " tensors");
+  if (bfloat16_rows > 0 && x.size(0) >= bfloat16_rows) return block_gemm_q4_bf16(x, w[0], w[1], w[2], 0);
   return block_gemm_q4(x, w[0], w[1], w[2], 0, -1);
 }
 
@@ -36,13 +38,14 @@ void store_rows(const float* src, int64_t ld, int64_t T, int64_t width, const in
 // before the first layer): h += delta in place. Then attention over the paged cache (k_cache and
 // v_cache [pages, page_size, kv_heads, head_dim], this layer's; the new tokens' K and V written at
 // flat `slots` first; page_table [T, W] and kv_lens [T] as paged_decode_attention takes them) and
-// the MLP. Returns the layer's output, the next layer's delta.
+// the MLP. `bfloat16_rows`: from this many rows the projections multiply in bfloat16 (0: never), as
+// the layer's Linears do. Returns the layer's output, the next layer's delta.
 at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& input_norm,
                            const at::Tensor& mlp_norm, double eps, at::TensorList qkv, at::TensorList o,
                            at::TensorList gate_up, at::TensorList down, const at::Tensor& cos, const at::Tensor& sin,
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                            const at::Tensor& page_table, const at::Tensor& kv_lens, int64_t num_heads,
-                           int64_t num_kv_heads, double scale, int64_t window) {
+                           int64_t num_kv_heads, double scale, int64_t window, int64_t bfloat16_rows) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be contiguous float32 [T, hidden]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
@@ -57,7 +60,7 @@ at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slots[", t, "] = ", sp[t], " is outside the cache's ", num_slots);
 
   const at::Tensor x = delta.has_value() ? add_rms_norm_(h, *delta, input_norm, eps) : rms_norm(h, input_norm, eps);
-  const at::Tensor qkv_out = project(x, qkv, "qkv");  // [T, (H + 2 KVH) D]: q's heads, k's, v's
+  const at::Tensor qkv_out = project(x, qkv, bfloat16_rows, "qkv");  // [T, (H + 2 KVH) D]: q's heads, k's, v's
   const int64_t row = qkv_out.size(1);
   TORCH_CHECK(row == (H + 2 * KVH) * D, "qkv gives rows of ", row, ", not (num_heads + 2 num_kv_heads) head_dim = ",
               (H + 2 * KVH) * D);
@@ -68,21 +71,23 @@ at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta
   store_rows(qkv_p + (H + KVH) * D, row, T, KVH * D, sp, v_cache.data_ptr<float>());
   const at::Tensor attended = paged_decode_attention(qkv_out.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache,
                                                      page_table, kv_lens, scale, window);
-  const at::Tensor x2 = add_rms_norm_(h, project(attended.view({T, H * D}), o, "o"), mlp_norm, eps);
-  return project(silu_mul(project(x2, gate_up, "gate_up")), down, "down");
+  const at::Tensor x2 = add_rms_norm_(h, project(attended.view({T, H * D}), o, bfloat16_rows, "o"), mlp_norm, eps);
+  return project(silu_mul(project(x2, gate_up, bfloat16_rows, "gate_up")), down, bfloat16_rows, "down");
 }
 
 // Every decoder layer of a model, each as decode_layer_q4 runs it, one after the other in one call:
 // what a decode step of one to eight sequences spends between the layers (a call from Python per
 // layer: the layer's checks, its ~20 arguments converted, the dispatcher) is spent once per step.
 // Built once with the layers' fixed operands (`weights`: 14 tensors a layer: input norm, MLP norm,
-// then the qkv, o, gate|up and down projections' [q, scale, offset]); the KV caches come with each
-// call, as the attention backend that owns them may change.
+// then the qkv, o, gate|up and down projections' [q, scale, offset]; and bfloat16_rows, as for
+// decode_layer_q4); the KV caches come with each call, as the attention backend that owns them may change.
 struct DecodeStackQ4 : torch::CustomClassHolder {
   static constexpr size_t kPerLayer = 14;
 
-  DecodeStackQ4(std::vector<at::Tensor> weights, double eps, int64_t num_heads, int64_t num_kv_heads)
-      : weights(std::move(weights)), eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads) {
+  DecodeStackQ4(std::vector<at::Tensor> weights, double eps, int64_t num_heads, int64_t num_kv_heads,
+                int64_t bfloat16_rows)
+      : weights(std::move(weights)), eps(eps), num_heads(num_heads), num_kv_heads(num_kv_heads),
+        bfloat16_rows(bfloat16_rows) {
     TORCH_CHECK(!this->weights.empty() && this->weights.size() % kPerLayer == 0, "weights must be ", kPerLayer,
                 " tensors a layer, got ", this->weights.size());
   }
@@ -104,24 +109,24 @@ struct DecodeStackQ4 : torch::CustomClassHolder {
       const at::Tensor* w = weights.data() + i * kPerLayer;
       delta = decode_layer_q4(h, delta, w[0], w[1], eps, {w + 2, 3}, {w + 5, 3}, {w + 8, 3}, {w + 11, 3}, cos, sin,
                               k_caches[i], v_caches[i], slots, page_table, kv_lens, num_heads, num_kv_heads, scale,
-                              windows[i]);
+                              windows[i], bfloat16_rows);
     }
     return *delta;
   }
 
   std::vector<at::Tensor> weights;
   double eps;
-  int64_t num_heads, num_kv_heads;
+  int64_t num_heads, num_kv_heads, bfloat16_rows;
 };
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.class_<DecodeStackQ4>("DecodeStackQ4")
-      .def(torch::init<std::vector<at::Tensor>, double, int64_t, int64_t>())
+      .def(torch::init<std::vector<at::Tensor>, double, int64_t, int64_t, int64_t>())
       .def("forward", &DecodeStackQ4::forward);
   m.def("decode_layer_q4(Tensor(a!) h, Tensor? delta, Tensor input_norm, Tensor mlp_norm, float eps, Tensor[] qkv, "
         "Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-        "Tensor slots, Tensor page_table, Tensor kv_lens, int num_heads, int num_kv_heads, float scale, int window) "
-        "-> Tensor");
+        "Tensor slots, Tensor page_table, Tensor kv_lens, int num_heads, int num_kv_heads, float scale, int window, "
+        "int bfloat16_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -7,6 +7,8 @@
 
 at::Tensor block_gemm_q4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
                          int64_t tile_rows, int64_t avx512);                                        // block_gemm_q4.cpp
+at::Tensor block_gemm_q4_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                              const at::Tensor& offset, int64_t tile_rows);                         // block_gemm_bf16.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);                    // layer_ops.cpp
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, double eps);  // layer_ops.cpp
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);                           // layer_ops.cpp

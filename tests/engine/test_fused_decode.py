@@ -14,7 +14,8 @@ import torch
 
 from tandem.kernels import fused_decode
 from tandem.kernels.attention import AttentionBatch
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, bfloat16_blocks_unavailable
+from tandem.kernels.linear import BFLOAT16_MIN_ROWS
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.torch_attention import TorchAttention
 
@@ -84,6 +85,27 @@ def test_a_fused_step_equals_the_op_by_op_step_bit_for_bit(smollm_fp32, calls, r
     assert not torch.equal(written, cache_and_backend(c, seed=rows)[0].k[0].flatten(0, 1)[batch.out_slots])
 
 
+@pytest.mark.parametrize("rows", [BFLOAT16_MIN_ROWS - 1, BLOCK_MAX_ROWS])
+def test_with_bfloat16_products_the_fused_step_still_equals_the_op_by_op_step(smollm_fp32, smollm_bf16_prefill, rows):
+    """Where the projections multiply steps of BFLOAT16_MIN_ROWS rows or more in bfloat16, the fused
+    calls do too: still bit for bit the op-by-op step; below that row count, bit for bit the float32
+    model's step; from it, not (where the CPU has AVX512-BF16: the rounding happened)."""
+    model, c = smollm_bf16_prefill.module, smollm_bf16_prefill.config
+    native = bfloat16_blocks_unavailable() is None
+    assert model.fused_stack is not None and all(layer.fused.bfloat16_rows == (BFLOAT16_MIN_ROWS if native else 0)
+                                                 for layer in model.layers)
+    rng = random.Random(rows)
+    batch, positions = decode_batch(rows, rng)
+    ids = [rng.randrange(c.vocab_size) for _ in range(rows)]
+    out = {}
+    for name, loaded, form in (("stack", smollm_bf16_prefill, "stack"), ("op_by_op", smollm_bf16_prefill, "op_by_op"),
+                               ("float32", smollm_fp32, "stack")):
+        cache, attn = cache_and_backend(c, seed=rows)
+        out[name] = step(loaded.module, cache, attn, batch, ids, positions, form)
+    assert torch.equal(out["stack"], out["op_by_op"])
+    assert torch.equal(out["stack"], out["float32"]) == (rows < BFLOAT16_MIN_ROWS or not native)
+
+
 def test_steps_the_call_does_not_take_run_op_by_op(smollm_fp32, calls):
     model, c = smollm_fp32.module, smollm_fp32.config
     rng = random.Random(9)
@@ -120,4 +142,4 @@ def test_the_stack_refuses_caches_that_do_not_match_its_layers_by_name(smollm_fp
         model.fused_stack.stack.forward(h, cos, sin, [paged.k_cache], [paged.v_cache], paged.slots, paged.page_table,
                                         paged.kv_lens, paged.scale, [0])
     with pytest.raises(RuntimeError, match="weights must be 14 tensors a layer, got 3"):
-        torch.classes.tandem.DecodeStackQ4([h, h, h], 1e-5, c.num_heads, c.num_kv_heads)
+        torch.classes.tandem.DecodeStackQ4([h, h, h], 1e-5, c.num_heads, c.num_kv_heads, 0)

@@ -1,8 +1,8 @@
 """The one inexact fast path of float32 serving: projections over many rows in bfloat16
 (`--prefill-dtype`, auto on CPUs with AVX512-BF16): prefill chunks and decode batches of more than
 8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF blocks
-where they are held as int8 blocks (`block_gemm_bf16`, where the CPU has AVX512-BF16; `--gguf-blocks
-int8`); and the attention of prompt pieces. Against HF transformers in float32 on the
+in whichever form they are held (`block_gemm_bf16`, where the CPU has AVX512-BF16: the file's 4-bit
+and 8-bit blocks, or int8 blocks with `--gguf-blocks int8`); and the attention of prompt pieces. Against HF transformers in float32 on the
 same GGUF weights: teacher-forced logits within TOLERANCE, and greedy output equal up to the first
 position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
 so it runs on every CPU (the copy's products emulated where bfloat16 is not native: slower, within
@@ -16,7 +16,7 @@ import torch
 from support.checks import assert_greedy_matches_reference
 from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, Bytes, bfloat16_blocks_unavailable
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS
 
 NEW_TOKENS = 24
@@ -27,13 +27,6 @@ NEW_TOKENS = 24
 # 1.05 on the same prompts. The bound is HF's own bfloat16 model at its worst.
 TOLERANCE = 1.4  # largest logit error; also the top-2 gap below which greedy output may diverge
 MEAN_TOLERANCE = 0.15
-
-
-@pytest.fixture(scope="module")
-def smollm_bf16_prefill():
-    from tandem.server.model import load_model
-
-    return load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16")
 
 
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -54,20 +47,24 @@ def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16_pr
         assert_close_to_reference(teacher_forced_logits(smollm_bf16_prefill, p), want, f"{len(p)} tokens")
 
 
-def test_decode_sized_products_round_against_the_int8_blocks(hf_reference):
-    """Prompts fed 6 tokens at a time: every product has as many rows as a 6-request decode step.
-    Loaded with `--gguf-blocks int8`, so that the layers' Q4_1 blocks are int8 blocks, which take
-    bfloat16 products from BFLOAT16_MIN_ROWS (the 4-bit form and the LM head's Q8_0 blocks stay
-    float32: faster there, test_block_q4.py and test_block_q8.py)."""
+@pytest.mark.parametrize("gguf_blocks", ["4bit", "int8"])
+def test_decode_sized_products_round_against_the_blocks(hf_reference, smollm_bf16_prefill, gguf_blocks):
+    """Prompts fed 6 tokens at a time: every product has as many rows as a 6-request decode step,
+    which from BFLOAT16_MIN_ROWS multiplies the GGUF blocks in bfloat16: the file's own forms (the
+    layers' Q4_1 blocks in 4 bits, the LM head's Q8_0 in 8), or, with `--gguf-blocks int8`, int8
+    blocks."""
     from tandem.server.model import load_model
 
-    loaded = load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", gguf_blocks="int8")
+    loaded = smollm_bf16_prefill if gguf_blocks == "4bit" else load_model(
+        "builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", gguf_blocks="int8")
     piece = 6
     assert BFLOAT16_MIN_ROWS <= piece <= BLOCK_MAX_ROWS
     why = bfloat16_blocks_unavailable()
     module = loaded.module
-    assert all(layer.gate_up.bfloat16_blocks == (why is None) for layer in module.layers)
-    assert isinstance(module.lm_head.blocks, Bytes) and not module.lm_head.bfloat16_blocks
+    form = Nibbles if gguf_blocks == "4bit" else BlockWeights
+    assert all(isinstance(layer.gate_up.blocks, form) and layer.gate_up.bfloat16_blocks == (why is None)
+               for layer in module.layers)
+    assert isinstance(module.lm_head.blocks, Bytes) and module.lm_head.bfloat16_blocks == (why is None)
     ids = prompts(loaded.tokenizer)
     for p in (ids[3], ids[5], ids[7]):
         with torch.inference_mode():
@@ -82,8 +79,8 @@ def test_decode_sized_products_round_against_the_int8_blocks(hf_reference):
 
 
 def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefill, hf_reference):
-    # 6 running at a time: prefill chunks in bfloat16, decode steps of up to 6 rows exact (float32
-    # against the file's 4-bit and 8-bit blocks)
+    # 6 running at a time: prefill chunks in bfloat16, decode steps of 5 and 6 rows too (the file's
+    # 4-bit and 8-bit blocks in bfloat16), smaller ones exact
     assert_greedy_matches_reference(smollm_bf16_prefill, hf_reference, prompts(smollm_bf16_prefill.tokenizer),
                                     NEW_TOKENS, TOLERANCE, max_total_tokens=16384, page_size=16,
                                     chunked_prefill_size=256, max_running_requests=6)

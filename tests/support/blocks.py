@@ -14,6 +14,9 @@ def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:
     if kind == "q8_0":
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         offset = torch.zeros(shape)
+    elif kind == "q4_0":  # values -8..7, no offset
+        q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        offset = torch.zeros(shape)
     else:  # q4_1
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
         offset = (-torch.rand(shape, generator=g) * 0.1).half().float()

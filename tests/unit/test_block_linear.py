@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tandem.common.cpu import cpu_flags
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, bfloat16_blocks_unavailable, block_gemm,
-                                         block_gemm_bf16)
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable,
+                                         block_gemm, block_gemm_bf16)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
 from tandem.server.model.config import ModelConfig
@@ -68,17 +68,25 @@ def test_linear_ignores_blocks_for_weights_that_are_not_float32():
 HAS_BF16 = "avx512_bf16" in cpu_flags()
 
 
+BFLOAT16_FORMS = {"int8": (lambda b: b, "block_gemm_bf16"), "4-bit": (Nibbles.pack, "block_gemm_q4_bf16"),
+                  "8-bit": (Bytes.pack, "block_gemm_q8_bf16")}
+
+
 @pytest.mark.parametrize("rows", [1, 5, 8, 11])
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_block_gemm_bf16_matches_float64_products_of_the_rounded_operands(rows, kind):
+@pytest.mark.parametrize("kind,form", [("q4_1", "int8"), ("q8_0", "int8"), ("q4_1", "4-bit"), ("q4_0", "4-bit"),
+                                       ("q8_0", "8-bit")])
+@pytest.mark.parametrize("k", [576, 1536])
+def test_block_gemm_bf16_matches_float64_products_of_the_rounded_operands(rows, kind, form, k):
     """Each weight rebuilt, then rounded to bfloat16 as torch rounds (nearest even), x likewise, and
     the products summed in float32: equal to float64 sums of the rounded operands to float32's
-    accuracy, and nowhere near that close to the unrounded product (so the rounding happened)."""
-    blocks = random_blocks(1000, 576, kind, seed=rows)
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(8))
+    accuracy, and nowhere near that close to the unrounded product (so the rounding happened). For
+    the int8 blocks and for GGUF's own 4-bit and 8-bit forms of them."""
+    pack, op = BFLOAT16_FORMS[form]
+    blocks = pack(random_blocks(1000, k, kind, seed=rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8))
     if not HAS_BF16:  # the library is built everywhere; the operator refuses a CPU it cannot run on
         assert bfloat16_blocks_unavailable() == "this CPU lacks AVX512-BF16, or faults on it"
-        with pytest.raises(RuntimeError, match="block_gemm_bf16 needs a CPU with AVX512-BF16"):
+        with pytest.raises(RuntimeError, match=f"{op} needs a CPU with AVX512-BF16"):
             block_gemm_bf16(x, blocks)
         return
     assert bfloat16_blocks_unavailable() is None

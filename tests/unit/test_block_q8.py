@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from tandem.common.cpu import cpu_flags
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Bytes, block_gemm, block_gemm_q8
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, bfloat16_blocks_unavailable, block_gemm,
+                                         block_gemm_bf16, block_gemm_q8)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.linear import Linear
+from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
 from tandem.server.model.loader import gguf_block_parts
 
 from support.blocks import assert_float32_product, random_blocks
@@ -95,9 +96,10 @@ def test_every_tile_height_gives_the_product(tile_rows):
 
 @pytest.mark.parametrize("rows", [1, 4, 5, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 40])
 def test_linear_multiplies_eight_bit_blocks_up_to_the_row_limit(rows):
-    """Also with bfloat16 products asked for: up to the limit the float32 kernel over these blocks
-    beat the int8 blocks in bfloat16 (SmolLM2's LM head at 8 rows: 2.70 against 4.27 ms on a 2-core
-    Xeon with AVX512-BF16), so they are not kept."""
+    """Also with bfloat16 products asked for: no int8 blocks are kept (the float32 kernel over these
+    blocks beat them in bfloat16: SmolLM2's LM head at 8 rows, 2.70 against 4.27 ms on a 2-core Xeon
+    with AVX512-BF16); these blocks are multiplied in bfloat16 from BFLOAT16_MIN_ROWS rows where the
+    CPU has AVX512-BF16, in float32 below."""
     blocks, w = from_gguf(320, 576, seed=rows)
     bias = torch.randn(320)
     linear = Linear(w, bias, blocks)
@@ -109,8 +111,14 @@ def test_linear_multiplies_eight_bit_blocks_up_to_the_row_limit(rows):
     else:
         torch.testing.assert_close(linear(x), Linear(w, bias)(x), rtol=0, atol=0)
     halves = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
-    assert isinstance(halves.blocks, Bytes) and not halves.bfloat16_blocks and halves.weight is None
-    want = block_gemm_q8(x, halves.blocks) if rows <= BLOCK_MAX_ROWS else Linear(w.bfloat16())(x.bfloat16()).float()
+    native = bfloat16_blocks_unavailable() is None
+    assert isinstance(halves.blocks, Bytes) and halves.bfloat16_blocks == native and halves.weight is None
+    if rows > BLOCK_MAX_ROWS:
+        want = Linear(w.bfloat16())(x.bfloat16()).float()
+    elif native and rows >= BFLOAT16_MIN_ROWS:  # the same blocks, multiplied in bfloat16
+        want = block_gemm_bf16(x, halves.blocks)
+    else:
+        want = block_gemm_q8(x, halves.blocks)
     torch.testing.assert_close(halves(x), want, rtol=0, atol=0)
 
 
