@@ -2,9 +2,10 @@
 builder on first use and cached under $TORCH_EXTENSIONS_DIR (about a minute with two cores; the
 set-up script builds it ahead). They register as `torch.ops.tandem.*`:
 
-- `block_gemm`, `block_gemm_bf16`: projections over GGUF-style int8 blocks (block_linear.py);
+- `block_gemm`: projections over GGUF-style int8 blocks (block_linear.py);
 - `block_gemm_q4`: the same over 4-bit blocks, two to a byte, as GGUF's Q4_0 and Q4_1 keep them;
 - `block_gemm_q8`: the same over int8 blocks with float16 scales, as GGUF's Q8_0 keeps them;
+- `block_gemm_bf16`, `block_gemm_q4_bf16`, `block_gemm_q8_bf16`: those three multiplied in bfloat16;
 - `isa_probe`: one instruction of a CPU feature, run in a child process (isa.py);
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py);
 - `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`: a layer's steps between projections (layer_ops.py);

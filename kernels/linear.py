@@ -20,8 +20,9 @@ blocks in bfloat16, so no int8 blocks are kept beside the 4-bit ones).
 A float32 weight may also have its products over many rows run in bfloat16 (`prefill_dtype`: prefill
 chunks, decode batches of `BFLOAT16_MIN_ROWS` or more), which a CPU with AVX512-BF16 multiplies two
 to three times as fast: above `BLOCK_MAX_ROWS` rows against a bfloat16 copy of the weight (oneDNN),
-from `BFLOAT16_MIN_ROWS` up to it against the int8 blocks (`block_gemm_bf16`). Inputs are rounded
-on the way in and products returned in float32. That is the one inexact path here.
+from `BFLOAT16_MIN_ROWS` up to it against the blocks, in whichever form they are held
+(`block_gemm_bf16`). Inputs are rounded on the way in and products returned in float32. That is the
+one inexact path here.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ log = logging.getLogger("tandem.kernels")
 # The batch size oneDNN's weight layout is chosen for: 64 measured as good as the best hint at
 # every batch size from 1 to 1024 rows.
 PACK_BATCH_HINT = 64
-# From this many rows, a product asked to run in bfloat16 does so against the int8 blocks too; below
-# it the float32 block kernel is bound by the weight's bytes, and rounding would buy little. All of
+# From this many rows, a product asked to run in bfloat16 does so against the blocks too; below it the
+# float32 block kernels are bound by the weight's bytes, and rounding would buy little. All of
 # SmolLM2's projections on a 2-core AVX512-BF16 EPYC (`tandem bench linear --whole-model`), float32
-# blocks against bfloat16 blocks: 7.5 / 7.2 ms at 1 row, 10.8 / 8.9 at 4, 12.4 / 10.2 at 5,
-# 18.5 / 14.1 at 8 (oneDNN bfloat16 at 8: 15.7; at 12 rows it wins: 16.8 against 19.6).
+# int8 blocks against bfloat16 ones: 7.5 / 7.2 ms at 1 row, 10.8 / 8.9 at 4, 12.4 / 10.2 at 5,
+# 18.5 / 14.1 at 8 (oneDNN bfloat16 at 8: 15.7; at 12 rows it wins: 16.8 against 19.6). The 4-bit
+# blocks on a 2-core Zen 5 EPYC, float32 against bfloat16: 3.15 / 3.73 at 1 row, 4.90 / 4.74 at 4,
+# 6.10 / 5.15 at 5, 7.90 / 6.33 at 8; the 8-bit ones 5.51 / 4.95 at 5, 7.72 / 5.83 at 8.
 BFLOAT16_MIN_ROWS = 5
 
 
