@@ -6,7 +6,8 @@ Gathers move whole pages (index_select over [num_pages, page_size * heads * dim]
 is several times faster than gathering token rows, which dominated decode steps. With a float32 or
 bfloat16 cache on a CPU that runs tandem's own kernels (cpu_ops.py), decodes skip the gathers
 altogether: `paged_decode_attention` reads each sequence's pages where they lie, all decodes in one
-call (float32 math either way).
+call (float32 math either way); so do prompt pieces whose attention runs in bfloat16 on a CPU with
+AVX512-BF16 (`prompt_attention_bf16`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.attention import AttentionBackend, AttentionBatch, PagedDecode
+from tandem.kernels.block_linear import bfloat16_blocks_unavailable
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 DECODE_BUCKETS = 4  # at most this many padded decode batches per layer
@@ -27,12 +29,18 @@ class TorchAttention(AttentionBackend):
         it, the output returned in q's dtype; None: in q's. A float32 model whose prompt products
         run in bfloat16 (`--prefill-dtype`) has its prompt attention run in bfloat16 too: on a CPU
         with AVX512-BF16, SDPA over a 512-token prompt took 0.44x float32's time (1.62 against 3.67
-        ms a layer, SmolLM2's 9 heads). Decodes keep q's dtype."""
+        ms a layer, SmolLM2's 9 heads). Decodes keep q's dtype.
+
+        Where the CPU has AVX512-BF16 and tandem's kernels run, a float32 cache's prompt pieces in
+        bfloat16 skip SDPA and the gather: `prompt_attention_bf16` reads the pages in place (layers
+        without a sliding window, head dims a multiple of 64)."""
         super().__init__(*args, **kwargs)
         self.prompt_dtype = prompt_dtype
         c = self.kv_cache
         self.in_place_decode = (c.device.type == "cpu" and c.dtype in (torch.float32, torch.bfloat16)
                                 and cpu_ops_unavailable() is None)
+        self.in_place_prompt = (prompt_dtype == torch.bfloat16 and c.device.type == "cpu" and c.dtype == torch.float32
+                                and not c.latent and c.head_dim % 64 == 0 and bfloat16_blocks_unavailable() is None)
 
     def prepare(self, batch: AttentionBatch) -> None:
         device = self.kv_cache.device
@@ -106,6 +114,10 @@ class TorchAttention(AttentionBackend):
         out = q.new_empty(*q.shape[:2], c.value_dim or q.shape[2])
         dtype = self.prompt_dtype or q.dtype
         for row, q_len, kv_len, pages, views in self.extends:
+            if self.in_place_prompt and window == 0 and q.dtype == torch.float32:
+                out[row : row + q_len] = torch.ops.tandem.prompt_attention_bf16(
+                    q[row : row + q_len], c.k[layer], c.v[layer], pages, kv_len, self.scale)
+                continue
             lo, mask = views[window]
             ki, vi = self._gather(layer, pages, dtype)
             qi = q[row : row + q_len].to(dtype).transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
