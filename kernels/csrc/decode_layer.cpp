@@ -70,7 +70,7 @@ at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta
   store_rows(qkv_p + H * D, row, T, KVH * D, sp, k_cache.data_ptr<float>());
   store_rows(qkv_p + (H + KVH) * D, row, T, KVH * D, sp, v_cache.data_ptr<float>());
   const at::Tensor attended = paged_decode_attention(qkv_out.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache,
-                                                     page_table, kv_lens, scale, window);
+                                                     page_table, kv_lens, scale, window, -1);
   const at::Tensor x2 = add_rms_norm_(h, project(attended.view({T, H * D}), o, bfloat16_rows, "o"), mlp_norm, eps);
   return project(silu_mul(project(x2, gate_up, bfloat16_rows, "gate_up")), down, bfloat16_rows, "down");
 }

@@ -15,4 +15,4 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);        
 at::Tensor silu_mul(const at::Tensor& gate_up);                                                    // layer_ops.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& page_table, const at::Tensor& kv_lens, double scale,
-                                  int64_t window);                                                  // paged_decode_attention.cpp
+                                  int64_t window, int64_t avx512);                                  // paged_decode_attention.cpp

@@ -30,6 +30,10 @@ using tandem_vec8::load8;
 
 constexpr int64_t kMaxRows = 256;  // query heads per sequence
 
+#define TANDEM_AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+
+inline bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -61,6 +65,21 @@ inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t offset = 0; offset < D * static_cast<int64_t>(sizeof(T)); offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
 }
 
+// 8 vectors of partial sums -> one vector of 8 sums, vector j's in lane j.
+inline __m256 sums8(const __m256 (&acc)[8]) {
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+TANDEM_AVX512_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+TANDEM_AVX512_TARGET inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // Scores of `rows` query rows (q, D apart) that share one kv head against 8 keys (k[j]: token j's
 // row of that head): scores[r * ld + j] = q_r . k_j * s. Each row keeps 8 sums in flight, one per key, so the
 // multiply-adds never wait on each other, and folds them into one vector at the end.
@@ -73,37 +92,81 @@ inline void scores8(const float* q, int64_t rows, const T* const* k, int64_t D, 
       const __m256 qd = _mm256_loadu_ps(q + r * D + d);
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), acc[j]);
     }
-    // 8 vectors of partial sums -> one vector of 8 sums, key j in lane j
-    const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-    _mm256_storeu_ps(scores + r * ld, _mm256_mul_ps(sums, _mm256_set1_ps(s)));
+    _mm256_storeu_ps(scores + r * ld, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(s)));
+  }
+}
+
+// The same with AVX-512 (16 dims a vector; D a multiple of 16), each key's sums folded to 8 lanes first.
+template <typename T>
+TANDEM_AVX512_TARGET void scores8_avx512(const float* q, int64_t rows, const T* const* k, int64_t D, float s,
+                                         float* scores, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + r * D + d);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qd, load16(k[j] + d), acc[j]);
+    }
+    __m256 folded[8];
+    for (int j = 0; j < 8; ++j)
+      folded[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
+    _mm256_storeu_ps(scores + r * ld, _mm256_mul_ps(sums8(folded), _mm256_set1_ps(s)));
   }
 }
 
 // out[r][d0, d0 + 8C) += sum over tokens t of p[r][t] * v_t[d0, d0 + 8C), for R query rows at once:
-// R * C running sums stay in registers while the tokens stream past.
+// R * C running sums stay in registers while the tokens stream past. A token's R weights are
+// broadcast first and its values read a vector at a time, so that 3 rows of 4 vectors fit AVX2's 16
+// registers: holding the token's 4 vectors instead left one sum on the stack, each multiply-add of it
+// waiting on a store and a load (a quarter of the kernel's samples; the same sums in the same order).
 template <typename T, int R, int C>
 void weighted_values(const float* p, int64_t ld, const T* const* v, int64_t L, int64_t d0, float* out, int64_t D) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    __m256 vt[C];
-    for (int c = 0; c < C; ++c) vt[c] = load8(v[t] + d0 + 8 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m256 pr = _mm256_broadcast_ss(p + r * ld + t);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(pr, vt[c], acc[r][c]);
+    __m256 pr[R];
+    for (int r = 0; r < R; ++r) pr[r] = _mm256_broadcast_ss(p + r * ld + t);
+    for (int c = 0; c < C; ++c) {
+      const __m256 vt = load8(v[t] + d0 + 8 * c);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(pr[r], vt, acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * D + d0 + 8 * c, acc[r][c]);
 }
 
+// The same with AVX-512: 16 dims a vector, so 3 rows of 64 dims take 12 of its 32 registers.
+template <typename T, int R, int C>
+TANDEM_AVX512_TARGET void weighted_values_avx512(const float* p, int64_t ld, const T* const* v, int64_t L, int64_t d0,
+                                                 float* out, int64_t D) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    __m512 pr[R];
+    for (int r = 0; r < R; ++r) pr[r] = _mm512_set1_ps(p[r * ld + t]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 vt = load16(v[t] + d0 + 16 * c);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], vt, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
+}
+
+// Rows [0, R) and `chunks` vectors of dims from d0 (8 dims a vector, or 16 where `wide`).
 template <typename T, int R>
-void weighted_values(const float* p, int64_t ld, const T* const* v, int64_t L, int64_t d0, int64_t chunks, float* out,
-                     int64_t D) {
+void weighted_values(const float* p, int64_t ld, const T* const* v, int64_t L, int64_t d0, int64_t chunks, bool wide,
+                     float* out, int64_t D) {
+  if (wide) {
+    switch (chunks) {
+      case 1: return weighted_values_avx512<T, R, 1>(p, ld, v, L, d0, out, D);
+      case 2: return weighted_values_avx512<T, R, 2>(p, ld, v, L, d0, out, D);
+      case 3: return weighted_values_avx512<T, R, 3>(p, ld, v, L, d0, out, D);
+      default: return weighted_values_avx512<T, R, 4>(p, ld, v, L, d0, out, D);
+    }
+  }
   switch (chunks) {
     case 1: return weighted_values<T, R, 1>(p, ld, v, L, d0, out, D);
     case 2: return weighted_values<T, R, 2>(p, ld, v, L, d0, out, D);
@@ -118,7 +181,7 @@ void weighted_values(const float* p, int64_t ld, const T* const* v, int64_t L, i
 // of e^(score_t - max): a part of the sequence's KV, merged with the others by merge_parts.
 template <typename T>
 void attend_group(const float* q, int64_t G, const T* const* k, const T* const* v, int64_t L, int64_t D, float s,
-                  float* out, std::vector<float>& scores, float* stats = nullptr) {
+                  bool wide, float* out, std::vector<float>& scores, float* stats = nullptr) {
   const int64_t Lp = (L + 7) / 8 * 8;  // rows of scores padded to whole vectors
   scores.resize(G * Lp);
   const T* keys[8];
@@ -128,7 +191,10 @@ void attend_group(const float* q, int64_t G, const T* const* k, const T* const* 
     for (int64_t t = t0 + 8; t < std::min(L, t0 + 16); ++t) prefetch_row(k[t], D);
     for (int64_t t = t0; t < std::min(L, t0 + 8); ++t) prefetch_row(v[t], D);
     for (int j = 0; j < 8; ++j) keys[j] = k[std::min<int64_t>(t0 + j, L - 1)];  // a short tile repeats its last key
-    scores8(q, G, keys, D, s, scores.data() + t0, Lp);
+    if (wide)
+      scores8_avx512(q, G, keys, D, s, scores.data() + t0, Lp);
+    else
+      scores8(q, G, keys, D, s, scores.data() + t0, Lp);
   }
   // softmax numerators e^(score - max) in place (padding -> exactly 0), each row's 1 / sum
   float inv_sum[kMaxRows];
@@ -156,16 +222,17 @@ void attend_group(const float* q, int64_t G, const T* const* k, const T* const* 
       stats[2 * r + 1] = total;
     }
   }
-  // out_r = sum_t p_r[t] v_t / sum_r: up to 3 rows and 32 dims at a time (12 sums in registers)
+  // out_r = sum_t p_r[t] v_t / sum_r: up to 3 rows and 4 vectors of dims at a time (12 sums in registers)
+  const int64_t lanes = wide ? 16 : 8;
   for (int64_t r0 = 0; r0 < G; r0 += 3)
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      const int64_t chunks = std::min<int64_t>(4, (D - d0) / 8);
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * lanes) {
+      const int64_t chunks = std::min<int64_t>(4, (D - d0) / lanes);
       const float* p = scores.data() + r0 * Lp;
       float* o = out + r0 * D;
       switch (std::min<int64_t>(3, G - r0)) {
-        case 1: weighted_values<T, 1>(p, Lp, v, L, d0, chunks, o, D); break;
-        case 2: weighted_values<T, 2>(p, Lp, v, L, d0, chunks, o, D); break;
-        default: weighted_values<T, 3>(p, Lp, v, L, d0, chunks, o, D); break;
+        case 1: weighted_values<T, 1>(p, Lp, v, L, d0, chunks, wide, o, D); break;
+        case 2: weighted_values<T, 2>(p, Lp, v, L, d0, chunks, wide, o, D); break;
+        default: weighted_values<T, 3>(p, Lp, v, L, d0, chunks, wide, o, D); break;
       }
     }
   if (stats != nullptr) return;
@@ -208,7 +275,7 @@ inline void merge_parts(const float* part_out, const float* part_stats, int64_t 
 // layer), else all.
 template <typename T>
 void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t* table, const int64_t* lens,
-            int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, int64_t window, float s) {
+            int64_t B, int64_t H, int64_t D, int64_t P, int64_t KVH, int64_t W, int64_t window, float s, bool wide) {
   const int64_t G = H / KVH;
   std::vector<int64_t> first_task(B + 1, 0), parts(B), first_pos(B), part_len(B), first_split(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
@@ -240,10 +307,10 @@ void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t*
       }
       const float* q = qp + (b * H + h * G) * D;
       if (parts[b] == 1) {
-        attend_group(q, G, k.data(), v.data(), L, D, s, op + (b * H + h * G) * D, scores);
+        attend_group(q, G, k.data(), v.data(), L, D, s, wide, op + (b * H + h * G) * D, scores);
       } else {
         const int64_t slot = first_split[b] + j;  // (h, part) of this sequence's split tasks
-        attend_group(q, G, k.data(), v.data(), L, D, s, part_out.data() + slot * G * D, scores,
+        attend_group(q, G, k.data(), v.data(), L, D, s, wide, part_out.data() + slot * G * D, scores,
                      part_stats.data() + slot * G * 2);
       }
     }
@@ -265,7 +332,7 @@ void attend(const float* qp, const T* kp, const T* vp, float* op, const int64_t*
 // window > 0: each query sees only its sequence's last `window` positions (its own included).
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& page_table, const at::Tensor& kv_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, int64_t avx512) {
   TORCH_CHECK(q_in.dim() == 3 && float_or_bf16(q_in.scalar_type()),
               "q must be float32 or bfloat16 [B, H, D]");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
@@ -285,6 +352,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t W = page_table.size(1);
   TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
+  TORCH_CHECK(avx512 != 1 || (has_avx512() && D % 16 == 0),
+              "paged_decode_attention: avx512=1 needs AVX-512 F and BW and a head_dim that is a multiple of 16");
+  const bool wide = avx512 != 0 && has_avx512() && D % 16 == 0;
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
@@ -293,13 +363,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const float s = static_cast<float>(scale);
   dispatch(cache_dtype, [&]<typename T>() {
     attend(q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<float>(), table, lens, B, H,
-           D, P, KVH, W, window, s);
+           D, P, KVH, W, window, s, wide);
   });
   return out.to(q_in.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor kv_lens, float scale, int window=0) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor kv_lens, float scale, int window=0, int avx512=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -38,6 +38,7 @@ def dense_attention(q, k, v, start, window=0):
 
 
 HAS_CPU_KERNELS = all(flag in cpu_flags() for flag in ("avx2", "fma"))
+HAS_AVX512 = all(flag in cpu_flags() for flag in ("avx512f", "avx512bw"))
 
 
 def assert_kernel_absent_for_a_reason() -> None:
@@ -173,8 +174,10 @@ def test_a_cpu_cache_asks_linux_for_huge_pages(huge_pages):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 40, 520])
-def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cache_dtype, window):
-    """The kernel alone: GQA group sizes 1 to 8, head dims that are and are not multiples of 16,
+@pytest.mark.parametrize("avx512", [0, 1])
+def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cache_dtype, window, avx512):
+    """The kernel alone, with its AVX2 functions and with its AVX-512 ones (where the CPU has them;
+    a head dim that is not a multiple of 16 keeps AVX2's): GQA group sizes 1 to 8, head dims that are and are not multiples of 16,
     sequences of 1 to 700 tokens on scattered pages of 16; a bfloat16 cache is widened exactly, so
     the float32 math is as close to float64 on its values as on a float32 cache's. A window of 40
     starts mid-page, within the longer sequences. Over 256 positions a sequence's KV is attended in
@@ -190,16 +193,25 @@ def test_paged_decode_attention_kernel_against_float64(heads, kv_heads, dim, cac
     width = -(-max(lens) // P)
     tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(lens))])
     q = torch.randn(len(lens), heads, dim)
-    out = torch.ops.tandem.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), dim**-0.5, window)
+    if avx512 and not (HAS_AVX512 and dim % 16 == 0):
+        with pytest.raises(RuntimeError, match="avx512=1 needs AVX-512 F and BW and a head_dim that is a multiple of 16"):
+            torch.ops.tandem.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), dim**-0.5,
+                                                    window, avx512)
+        avx512 = -1  # what a caller gets: AVX2's functions here
+    out = torch.ops.tandem.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), dim**-0.5, window,
+                                                  avx512)
     for b, L in enumerate(lens):
         first = max(0, L - window) if window else 0
         k = k_cache[tables[b]].reshape(-1, kv_heads, dim)[first:L].double().repeat_interleave(heads // kv_heads, 1)
         v = v_cache[tables[b]].reshape(-1, kv_heads, dim)[first:L].double().repeat_interleave(heads // kv_heads, 1)
         p = (torch.einsum("hd,khd->hk", q[b].double(), k) * dim**-0.5).softmax(-1)
         torch.testing.assert_close(out[b].double(), torch.einsum("hk,khd->hd", p, v), atol=1e-5, rtol=1e-5)
+    if avx512 == 1:  # the AVX-512 functions ran: their sums are grouped otherwise than AVX2's
+        assert not torch.equal(out, torch.ops.tandem.paged_decode_attention(q, k_cache, v_cache, tables,
+                                                                            torch.tensor(lens), dim**-0.5, window, 0))
     for b in (2, 4):  # alone, as in the batch
         alone = torch.ops.tandem.paged_decode_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1],
-                                                        torch.tensor(lens[b : b + 1]), dim**-0.5, window)
+                                                        torch.tensor(lens[b : b + 1]), dim**-0.5, window, avx512)
         assert torch.equal(alone[0], out[b])
 
 
