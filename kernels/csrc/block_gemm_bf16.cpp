@@ -39,6 +39,7 @@ TANDEM_BF16_TARGET inline __m256 lane_sums(const __m256* f) {
 struct Int8Blocks {
   using Value = int8_t;
   static constexpr int64_t kBytes = kBlock;
+  static constexpr int kBfloat16Rows = 1;  // weight rows multiplied side by side (tile, below)
 
   TANDEM_BF16_TARGET static void rebuild(const int8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
     const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
@@ -48,40 +49,66 @@ struct Int8Blocks {
   }
 };
 
-inline float widen(float v) { return v; }
-inline float widen(uint16_t half) { return _cvtsh_ss(half); }
+// Sixteen scales (or offsets) from p as float32, those past `valid` zero.
+TANDEM_BF16_TARGET inline __m512 widen16(const float* p, __mmask16 valid) { return _mm512_maskz_loadu_ps(valid, p); }
+
+TANDEM_BF16_TARGET inline __m512 widen16(const uint16_t* p, __mmask16 valid) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
+}
 
 // Rows [0, MT) of x (bfloat16) against weight rows [n0, n1) of blocks in `Block`'s form (Int8Blocks,
 // or block_tiles_avx512.h's Nibbles and Bytes) with scales and offsets of type `Scale` (offset nullptr
 // where there are none), eight weight rows at a time: each row of x keeps one accumulator per weight
 // row, folded to 8 lanes, and the group's sums are reduced together (one horizontal sum per weight
-// row per row of x would cost a quarter of the arithmetic).
+// row per row of x would cost a quarter of the arithmetic). Block::kBfloat16Rows weight rows go
+// through the blocks side by side, each vector of x loaded serving them all, and their scales and
+// offsets are widened 16 blocks at a time.
 template <int MT, typename Block, typename Scale>
 TANDEM_BF16_TARGET void tile(const uint16_t* x, int64_t K, const typename Block::Value* q, const Scale* scale,
                              const Scale* offset, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t kWiden = 16;  // blocks whose scales and offsets are widened together
+  constexpr int WR = Block::kBfloat16Rows;  // weight rows side by side
+  static_assert(kGroup % WR == 0);
   const int64_t nb = K / kBlock, row_values = nb * Block::kBytes;
+  alignas(64) float s[WR][kWiden], o[WR][kWiden] = {};
   for (int64_t g = n0; g < n1; g += kGroup) {
     const int64_t size = std::min(kGroup, n1 - g);
     __m256 folded[MT][kGroup];
-    for (int64_t t = 0; t < kGroup; ++t) {
-      const int64_t n = g + std::min(t, size - 1);  // past the end: repeat the last row, not stored
-      tandem_blocks::prefetch_ahead(q, row_values * static_cast<int64_t>(sizeof(typename Block::Value)), n, N);
-      tandem_blocks::prefetch_ahead(scale, nb * static_cast<int64_t>(sizeof(Scale)), n, N);
-      if (offset != nullptr) tandem_blocks::prefetch_ahead(offset, nb * static_cast<int64_t>(sizeof(Scale)), n, N);
-      __m512 acc[MT];
-      for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        __m512 w0, w1;
-        Block::rebuild(q + n * row_values + b * Block::kBytes, widen(scale[n * nb + b]),
-                       offset == nullptr ? 0.0f : widen(offset[n * nb + b]), w0, w1);
-        const __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);  // 32 bfloat16 in k order: w0's 16, then w1's
-        for (int m = 0; m < MT; ++m) {
-          const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + b * kBlock));
-          acc[m] = _mm512_dpbf16_ps(acc[m], w, xb);
+    for (int64_t t = 0; t < kGroup; t += WR) {
+      int64_t n[WR];
+      for (int r = 0; r < WR; ++r) n[r] = g + std::min(t + r, size - 1);  // past the end: the last row, not stored
+      for (int64_t r : n) {
+        tandem_blocks::prefetch_ahead(q, row_values * static_cast<int64_t>(sizeof(typename Block::Value)), r, N);
+        tandem_blocks::prefetch_ahead(scale, nb * static_cast<int64_t>(sizeof(Scale)), r, N);
+        if (offset != nullptr) tandem_blocks::prefetch_ahead(offset, nb * static_cast<int64_t>(sizeof(Scale)), r, N);
+      }
+      __m512 acc[WR][MT];
+      for (int r = 0; r < WR; ++r)
+        for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+      for (int64_t b0 = 0; b0 < nb; b0 += kWiden) {
+        const int64_t count = std::min(kWiden, nb - b0);
+        const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+        for (int r = 0; r < WR; ++r) {
+          _mm512_store_ps(s[r], widen16(scale + n[r] * nb + b0, valid));
+          if (offset != nullptr) _mm512_store_ps(o[r], widen16(offset + n[r] * nb + b0, valid));
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t b = b0 + i;
+          __m512bh w[WR];
+          for (int r = 0; r < WR; ++r) {
+            __m512 w0, w1;
+            Block::rebuild(q + n[r] * row_values + b * Block::kBytes, s[r][i], o[r][i], w0, w1);
+            w[r] = _mm512_cvtne2ps_pbh(w1, w0);  // 32 bfloat16 in k order: w0's 16, then w1's
+          }
+          for (int m = 0; m < MT; ++m) {
+            const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + b * kBlock));
+            for (int r = 0; r < WR; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xb);
+          }
         }
       }
-      for (int m = 0; m < MT; ++m)
-        folded[m][t] = _mm256_add_ps(_mm512_castps512_ps256(acc[m]), _mm512_extractf32x8_ps(acc[m], 1));
+      for (int r = 0; r < WR; ++r)
+        for (int m = 0; m < MT; ++m)
+          folded[m][t + r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][m]), _mm512_extractf32x8_ps(acc[r][m], 1));
     }
     for (int m = 0; m < MT; ++m) {
       alignas(32) float sums[kGroup];

@@ -31,6 +31,12 @@ inline bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin
 struct Nibbles {
   using Value = uint8_t;
   static constexpr int64_t kBytes = kBlock / 2;
+  // Weight rows block_gemm_bf16.cpp's tile multiplies side by side. SmolLM2's projections at 8 rows
+  // (`tandem bench linear --whole-model`, 2-core Zen 5), against the float32 4-bit kernel in the same
+  // run: 0.72-0.77x the time two at a time, 0.80x one at a time; the 8-bit blocks two at a time took
+  // 0.87x the float32 8-bit kernel's time, 0.76x one at a time (their values take twice the work to
+  // rebuild), so they stay one at a time.
+  static constexpr int kBfloat16Rows = 2;
 
   TANDEM_AVX512_TARGET static void rebuild(const uint8_t* qb, float scale, float offset, __m512& w0, __m512& w1) {
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -45,6 +51,7 @@ struct Nibbles {
 struct Bytes {
   using Value = int8_t;
   static constexpr int64_t kBytes = kBlock;
+  static constexpr int kBfloat16Rows = 1;
 
   TANDEM_AVX512_TARGET static void rebuild(const int8_t* qb, float scale, float, __m512& w0, __m512& w1) {
     const __m512 s = _mm512_set1_ps(scale);
