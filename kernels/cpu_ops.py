@@ -8,6 +8,7 @@ set-up script builds it ahead). They register as `torch.ops.tandem.*`:
 - `block_gemm_bf16`, `block_gemm_q4_bf16`, `block_gemm_q8_bf16`: those three multiplied in bfloat16;
 - `isa_probe`: one instruction of a CPU feature, run in a child process (isa.py);
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (torch_attention.py);
+- `prompt_attention_bf16`: a prompt piece's attention read in place from a float32 cache, in bfloat16;
 - `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`: a layer's steps between projections (layer_ops.py);
 - `parallel_threads`: how many threads a parallel region runs on (a check for the tests);
 - `idle_compute_threads`: the calling thread's compute threads to SCHED_IDLE (`--compute-priority idle`).
@@ -17,9 +18,10 @@ headers: built without OpenMP it runs serially and says nothing (a two-core deco
 projections on one core until that was seen), so the library is built with -fopenmp and binds
 to the OpenMP runtime torch has already loaded, sharing its thread pool and torch.set_num_threads.
 
-They are written for AVX2 + FMA + F16C (block_gemm_bf16's functions for AVX512-BF16, checked when
-it runs; block_gemm_q4's and block_gemm_q8's AVX-512 ones where the CPU has it), and built with -ffp-contract=off: the compiler never fuses a multiply and an add the source
-keeps apart, so element-wise steps round as torch's do. Where they cannot run (another CPU, no
+They are written for AVX2 + FMA + F16C (the bfloat16 block products' and prompt_attention_bf16's
+functions for AVX512-BF16, checked when they run; block_gemm_q4's, block_gemm_q8's and
+paged_decode_attention's AVX-512 ones where the CPU has it), and built with -ffp-contract=off: the
+compiler never fuses a multiply and an add the source keeps apart, so element-wise steps round as torch's do. Where they cannot run (another CPU, no
 compiler, `TANDEM_CPU_KERNELS=0`), `cpu_ops_unavailable()` says why and callers keep their torch
 paths.
 
