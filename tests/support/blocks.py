@@ -1,10 +1,13 @@
-"""Block-quantized weights for the kernel tests, and the accuracy a float32 product must reach."""
+"""Block-quantized weights for the kernel tests, the accuracy a float32 product must reach, and what a
+Linear asked for bfloat16 products gives."""
 
 from __future__ import annotations
 
 import torch
 
-from tandem.kernels.block_linear import BlockWeights
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, bfloat16_blocks_unavailable,
+                                         block_gemm_bf16)
+from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
 
 
 def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:
@@ -30,3 +33,21 @@ def assert_float32_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
     bound = 2 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
     worst = float(((y.double() - ref).abs() / bound).max())
     assert worst <= 1, f"off by {worst:.2f}x the float32 bound"
+
+
+def assert_bfloat16_products(w: torch.Tensor, blocks: BlockWeights, x: torch.Tensor, form: type, float32_kernel) -> None:
+    """A Linear over `w` and `blocks` asked for bfloat16 products keeps the blocks in `form` (no copy
+    of w beside them) and multiplies x's rows: above BLOCK_MAX_ROWS against a bfloat16 copy, from
+    BFLOAT16_MIN_ROWS up to it the same blocks in bfloat16 where the CPU has AVX512-BF16, otherwise
+    with `float32_kernel` over them."""
+    halves = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
+    native = bfloat16_blocks_unavailable() is None
+    assert isinstance(halves.blocks, form) and halves.bfloat16_blocks == native and halves.weight is None
+    rows = x.shape[0]
+    if rows > BLOCK_MAX_ROWS:
+        want = Linear(w.bfloat16())(x.bfloat16()).float()
+    elif native and rows >= BFLOAT16_MIN_ROWS:
+        want = block_gemm_bf16(x, halves.blocks)
+    else:
+        want = float32_kernel(x, halves.blocks)
+    torch.testing.assert_close(halves(x), want, rtol=0, atol=0)

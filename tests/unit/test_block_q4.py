@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from tandem.common.cpu import cpu_flags
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Nibbles, bfloat16_blocks_unavailable, block_gemm,
-                                         block_gemm_bf16, block_gemm_q4)
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Nibbles, block_gemm, block_gemm_q4
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
+from tandem.kernels.linear import Linear
 from tandem.server.model.loader import gguf_block_parts
 
-from support.blocks import assert_float32_product, random_blocks
+from support.blocks import assert_bfloat16_products, assert_float32_product, random_blocks
 
 HAS_AVX512 = all(flag in cpu_flags() for flag in ("avx512f", "avx512bw"))
 Q = gguf.GGMLQuantizationType
@@ -111,16 +110,7 @@ def test_linear_multiplies_four_bit_blocks_up_to_the_row_limit(rows):
         assert linear.streamed_bytes(rows) == 320 * 576 * 5 // 8
     else:
         torch.testing.assert_close(linear(x), Linear(w, bias)(x), rtol=0, atol=0)
-    halves = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
-    native = bfloat16_blocks_unavailable() is None
-    assert isinstance(halves.blocks, Nibbles) and halves.bfloat16_blocks == native and halves.weight is None
-    if rows > BLOCK_MAX_ROWS:
-        want = Linear(w.bfloat16())(x.bfloat16()).float()
-    elif native and rows >= BFLOAT16_MIN_ROWS:  # the same blocks, multiplied in bfloat16
-        want = block_gemm_bf16(x, halves.blocks)
-    else:
-        want = block_gemm_q4(x, halves.blocks)
-    torch.testing.assert_close(halves(x), want, rtol=0, atol=0)
+    assert_bfloat16_products(w, blocks, x, Nibbles, block_gemm_q4)
 
 
 def test_block_gemm_q4_refuses_what_it_cannot_take_by_name():
