@@ -12,12 +12,16 @@ AVX512-BF16 (`prompt_attention_bf16`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from tandem.kernels.attention import AttentionBackend, AttentionBatch, PagedDecode
 from tandem.kernels.block_linear import bfloat16_blocks_unavailable
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
+
+log = logging.getLogger("tandem.kernels")
 
 DECODE_BUCKETS = 4  # at most this many padded decode batches per layer
 DECODE_BUCKET_MIN = 8  # ... each of at least this many sequences
@@ -41,6 +45,10 @@ class TorchAttention(AttentionBackend):
                                 and cpu_ops_unavailable() is None)
         self.in_place_prompt = (prompt_dtype == torch.bfloat16 and c.device.type == "cpu" and c.dtype == torch.float32
                                 and not c.latent and c.head_dim % 64 == 0 and bfloat16_blocks_unavailable() is None)
+        if prompt_dtype == torch.bfloat16 and c.device.type == "cpu":
+            log.info("prompt attention in bfloat16: %s", "read in place (prompt_attention_bf16; SDPA for windowed layers)"
+                     if self.in_place_prompt else "SDPA over gathered pages (the in-place kernel needs a float32 "
+                     "cache, head dims a multiple of 64 and AVX512-BF16)")
 
     def prepare(self, batch: AttentionBatch) -> None:
         device = self.kv_cache.device

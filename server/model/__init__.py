@@ -161,8 +161,12 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     if shard.rank:
         return LoadedModel(source, config, module, None, DTYPES[dtype], compute, dev, shard)
     log.info("%s: %s", source.name, config.describe())
-    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); projections: %s; CPU flags: %s%s",
-             source.name, dev, dtype, why, prefill, prefill_why, module.lm_head.describe(),
+    first = module.layers[0]
+    layer_linear = getattr(first, "qkv", None) or getattr(first, "gate_up", None)
+    forms = (f"layers' projections: {layer_linear.describe()}; " if layer_linear is not None else "") + \
+        f"LM head: {module.lm_head.describe()}"
+    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); %s; CPU flags: %s%s",
+             source.name, dev, dtype, why, prefill, prefill_why, forms,
              " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-",
              f" ({cpu_features().describe()})" if dev.type == "cpu" else "")
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev, shard)
