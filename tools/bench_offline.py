@@ -6,6 +6,11 @@ for each and the ratio, as a table and as one JSON line.
 step, what tensor parallelism costs rank 0: time in all-reduces (the transfer and the wait for the
 slowest rank) and time handing each pass to the other ranks.
 
+tandem's figures include where its forward passes' time went: the passes that carried prompt pieces
+(count, seconds, prompt tokens) and those of decodes alone by batch size (count, mean ms), so that
+`--skip-hf --num-requests 32 --max-running-requests 8` shows what a concurrency-8 serving run spends
+on prefill and on decode steps.
+
 `--compare-overlap` runs it with the plain loop (--disable-overlap-schedule) and the overlapped
 one instead (no HF), checks that both produced the same tokens, and reports the ratio.
 
@@ -37,6 +42,22 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     return work
 
 
+def pass_breakdown(passes: list[tuple[int, int, int, float]]) -> dict:
+    """Where the forward passes' time went: the passes with prompt pieces (their count, seconds and
+    tokens), and the passes of decodes alone by batch size (count and mean milliseconds)."""
+    prompts = [p for p in passes if p[1] > 0]
+    decodes: dict[int, list[float]] = {}
+    for rows, extends, _, seconds in passes:
+        if extends == 0:
+            decodes.setdefault(rows, []).append(seconds)
+    return {
+        "prompt_passes": {"count": len(prompts), "seconds": round(sum(p[3] for p in prompts), 2),
+                          "tokens": sum(p[2] for p in prompts)},
+        "decode_passes": {rows: {"count": len(times), "ms": round(1000 * sum(times) / len(times), 2)}
+                          for rows, times in sorted(decodes.items())},
+    }
+
+
 def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
     """`outputs`: if given, gets each request's output token ids."""
     from tandem.server.loop.engine import Engine
@@ -44,6 +65,7 @@ def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
 
     engine = Engine(config)
     forward = [0.0]  # seconds inside runner.run: the forward passes and sampling
+    passes: list[tuple[int, int, int, float]] = []  # per pass: sequences, prompt pieces, tokens, seconds
     run_pass = engine.runner.run
 
     def timed_run(step):
@@ -51,7 +73,10 @@ def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
         try:
             return run_pass(step)
         finally:
-            forward[0] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            forward[0] += seconds
+            q_lens = step.inputs.q_lens
+            passes.append((len(q_lens), step.inputs.num_extends, sum(q_lens), seconds))
 
     engine.runner.run = timed_run
     with engine:
@@ -59,6 +84,7 @@ def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
         engine.generate([work[0][0][:32]], warm)
         engine.flush_cache()
         forward[0] = 0.0
+        passes.clear()
         warm_steps = engine.call(lambda: engine.scheduler.stats.forward_steps)
         start = time.perf_counter()
         streams = [engine.submit(p, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)) for p, n in work]
@@ -85,6 +111,7 @@ def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
         "forward_ms_per_step": round(1000 * forward[0] / steps, 2),
         "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
         "dtype": dtype,
+        **pass_breakdown(passes),
     }
     if tp is not None:  # counted since start-up, warm-up included: per step of all of them
         calls, seconds, sends, send_seconds = tp
