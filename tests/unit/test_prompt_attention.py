@@ -12,10 +12,14 @@ import random
 import pytest
 import torch
 
+from tandem.common.cpu import cpu_flags
 from tandem.kernels.attention import AttentionBatch
 from tandem.kernels.block_linear import bfloat16_blocks_unavailable
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.torch_attention import TorchAttention
+
+if not all(flag in cpu_flags() for flag in ("avx2", "fma")):
+    pytest.skip("tandem's CPU kernels are built for AVX2 + FMA; this CPU lacks them", allow_module_level=True)
 
 NATIVE = bfloat16_blocks_unavailable() is None
 PAGE = 16
