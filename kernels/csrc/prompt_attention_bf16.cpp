@@ -17,6 +17,7 @@
 // rows go together, so each K or V vector loaded serves four rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -27,6 +28,8 @@
 #include <limits>
 #include <vector>
 
+#include "exp_nonpositive.h"
+
 #define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 namespace {
@@ -35,31 +38,10 @@ constexpr int64_t kKeys = 16;  // keys scored per vector
 constexpr int64_t kRows = 4;   // query rows that share each K and V vector loaded
 constexpr int64_t kSlice = 64;  // dims of the output summed per pass over V (four vectors)
 
-// e^x for x <= 0, Cephes' single-precision polynomial as in paged_decode_attention.cpp (within 2
-// ulp of std::exp, x < -87 taken as -87), sixteen at a time.
-TANDEM_BF16_TARGET inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
-}
+using tandem_exp::exp_nonpositive;
 
-// float32 -> bfloat16, nearest even (as torch rounds finite values).
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+// float32 -> bfloat16 bits, nearest even (c10::BFloat16's rounding, as torch's .to(torch.bfloat16)).
+inline uint16_t to_bf16(float f) { return c10::BFloat16(f).x; }
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
