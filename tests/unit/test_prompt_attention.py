@@ -15,13 +15,23 @@ import torch
 from tandem.common.cpu import cpu_flags
 from tandem.kernels.attention import AttentionBatch
 from tandem.kernels.block_linear import bfloat16_blocks_unavailable
+from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.torch_attention import TorchAttention
 
-if not all(flag in cpu_flags() for flag in ("avx2", "fma")):
-    pytest.skip("tandem's CPU kernels are built for AVX2 + FMA; this CPU lacks them", allow_module_level=True)
-
 NATIVE = bfloat16_blocks_unavailable() is None
+
+
+def assert_refused(call) -> None:
+    """Where the CPU lacks AVX512-BF16, the operator refuses by name; where tandem's kernels are not
+    built at all, only because the CPU lacks AVX2 + FMA or they were switched off."""
+    why = cpu_ops_unavailable()
+    if why is not None:
+        has_avx2 = all(flag in cpu_flags() for flag in ("avx2", "fma"))
+        assert why == "TANDEM_CPU_KERNELS=0" or (not has_avx2 and why.startswith("this CPU lacks")), why
+        return
+    with pytest.raises(RuntimeError, match="prompt_attention_bf16 needs a CPU with AVX512-BF16"):
+        call()
 PAGE = 16
 
 
@@ -53,9 +63,8 @@ def test_matches_float64_attention_over_the_rounded_operands(q_len, kv_len, head
     pages = torch.randperm(48, generator=torch.Generator().manual_seed(kv_len))[: -(-kv_len // PAGE)]
     q = torch.randn(q_len, heads, dim, generator=torch.Generator().manual_seed(3))
     if not NATIVE:  # the library is built everywhere; the operator refuses a CPU it cannot run on
-        with pytest.raises(RuntimeError, match="prompt_attention_bf16 needs a CPU with AVX512-BF16"):
-            torch.ops.tandem.prompt_attention_bf16(q, k_cache, v_cache, pages, kv_len, dim**-0.5)
-        return
+        return assert_refused(lambda: torch.ops.tandem.prompt_attention_bf16(q, k_cache, v_cache, pages, kv_len,
+                                                                              dim**-0.5))
     out = torch.ops.tandem.prompt_attention_bf16(q, k_cache, v_cache, pages, kv_len, dim**-0.5)
     assert out.shape == q.shape and out.dtype == torch.float32
     want, bound = reference(q, k_cache, v_cache, pages, kv_len, dim**-0.5)
@@ -110,9 +119,7 @@ def test_refuses_what_it_cannot_take_by_name():
     pages = torch.tensor([0, 1])
     q = torch.randn(3, 4, 64)
     if not NATIVE:
-        with pytest.raises(RuntimeError, match="prompt_attention_bf16 needs a CPU with AVX512-BF16"):
-            torch.ops.tandem.prompt_attention_bf16(q, k_cache, v_cache, pages, 20, 0.125)
-        return
+        return assert_refused(lambda: torch.ops.tandem.prompt_attention_bf16(q, k_cache, v_cache, pages, 20, 0.125))
     with pytest.raises(RuntimeError, match=r"kv_len = 40 must hold the 3 query rows and fit the 2 pages of 16"):
         torch.ops.tandem.prompt_attention_bf16(q, k_cache, v_cache, pages, 40, 0.125)
     with pytest.raises(RuntimeError, match=r"kv_len = 2 must hold the 3 query rows"):
