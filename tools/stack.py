@@ -32,18 +32,26 @@ if TYPE_CHECKING:  # certs needs `cryptography`, a development dependency
 # which the kernel also picks the local ports of outgoing connections. A port bind(0) returned there
 # was once taken, before the server bound it, by a connection its own tensor-parallel ranks opened.
 PORT_RANGE = (20000, 32768)
+# Ports free_port has handed out in this process: a server binds its port only once its model has
+# loaded, so until then a second pick could land on the same free port (in a CI run a server of
+# test_pd_router's stack failed to bind its port: "Address already in use").
+_handed_out: set[int] = set()
 
 
 def free_port() -> int:
+    """A port in PORT_RANGE that nothing listens on now and that this process has not handed out before."""
     rng = random.Random()
     for _ in range(100):
         port = rng.randrange(*PORT_RANGE)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise RuntimeError(f"no free port in {PORT_RANGE} after 100 tries")
 
 
