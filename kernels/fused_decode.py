@@ -23,6 +23,8 @@ from tandem.kernels.attention import AttentionBackend
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, Nibbles
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # KV caches decode_layer_q4 writes (bfloat16: rounded) and reads
+
 _enabled = [True]
 
 
@@ -64,7 +66,7 @@ class FusedDecodeLayer:
         if not _enabled[0] or h.shape[0] > BLOCK_MAX_ROWS or not layer_ops.native_kernels(h):
             return None
         paged = attn.decode_in_place(layer)
-        if paged is None or paged.k_cache.dtype != torch.float32 or not cos.is_contiguous():
+        if paged is None or paged.k_cache.dtype not in CACHE_DTYPES or not cos.is_contiguous():
             return None
         return torch.ops.tandem.decode_layer_q4(
             h, delta, self.input_norm, self.mlp_norm, self.eps, self.qkv, self.o, self.gate_up, self.down, cos, sin,
@@ -105,7 +107,7 @@ class FusedDecodeStack:
         if not _enabled[0] or h.shape[0] > BLOCK_MAX_ROWS or not layer_ops.native_kernels(h) or not cos.is_contiguous():
             return None
         paged = attn.decode_in_place(0)
-        if paged is None or paged.k_cache.dtype != torch.float32:
+        if paged is None or paged.k_cache.dtype not in CACHE_DTYPES:
             return None
         caches = self._caches.get(attn)
         if caches is None:

@@ -35,20 +35,20 @@ class TorchAttention(AttentionBackend):
         with AVX512-BF16, SDPA over a 512-token prompt took 0.44x float32's time (1.62 against 3.67
         ms a layer, SmolLM2's 9 heads). Decodes keep q's dtype.
 
-        Where the CPU has AVX512-BF16 and tandem's kernels run, a float32 cache's prompt pieces in
-        bfloat16 skip SDPA and the gather: `prompt_attention_bf16` reads the pages in place (layers
-        without a sliding window, head dims a multiple of 64)."""
+        Where the CPU has AVX512-BF16 and tandem's kernels run, prompt pieces in bfloat16 skip SDPA
+        and the gather: `prompt_attention_bf16` reads the pages (float32 or bfloat16) in place
+        (layers without a sliding window, head dims a multiple of 64)."""
         super().__init__(*args, **kwargs)
         self.prompt_dtype = prompt_dtype
         c = self.kv_cache
         self.in_place_decode = (c.device.type == "cpu" and c.dtype in (torch.float32, torch.bfloat16)
                                 and cpu_ops_unavailable() is None)
-        self.in_place_prompt = (prompt_dtype == torch.bfloat16 and c.device.type == "cpu" and c.dtype == torch.float32
-                                and not c.latent and c.head_dim % 64 == 0 and bfloat16_blocks_unavailable() is None)
+        self.in_place_prompt = (prompt_dtype == torch.bfloat16 and c.device.type == "cpu"
+                                and c.dtype in (torch.float32, torch.bfloat16) and not c.latent and c.head_dim % 64 == 0 and bfloat16_blocks_unavailable() is None)
         if prompt_dtype == torch.bfloat16 and c.device.type == "cpu":
             log.info("prompt attention in bfloat16: %s", "read in place (prompt_attention_bf16; SDPA for windowed layers)"
                      if self.in_place_prompt else "SDPA over gathered pages (the in-place kernel needs a float32 "
-                     "cache, head dims a multiple of 64 and AVX512-BF16)")
+                     "or bfloat16 cache, head dims a multiple of 64 and AVX512-BF16)")
 
     def prepare(self, batch: AttentionBatch) -> None:
         device = self.kv_cache.device

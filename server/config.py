@@ -30,6 +30,9 @@ class EngineConfig:
     gguf_blocks: Literal["4bit", "int8"] = opt(
         "4bit", "for float32 weights on a CPU: the form a GGUF file's Q4_0/Q4_1 blocks decode from; 4bit keeps them "
         "as the file does (0.625 bytes a weight), int8 widens them (1.25); both rebuild the file's values exactly")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = opt(
+        "auto", "dtype the KV cache keeps; auto: the compute dtype, except bfloat16 for float32 weights on a CPU whose "
+        "prompt products run in bfloat16 (--prefill-dtype): half the bytes decode attention reads")
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     attention_backend: Literal["auto", "torch", "flashinfer"] = opt(
         "auto", "attention kernels: flashinfer on CUDA, torch elsewhere"

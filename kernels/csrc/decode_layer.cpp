@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec8.h"
 
 namespace {
 
@@ -27,9 +28,14 @@ at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t bfloat16_rows,
   return block_gemm_q4(x, w[0], w[1], w[2], 0, -1);
 }
 
-// Row t of src [T, width] (rows `ld` apart) into flat slot slots[t] of cache [slots, width].
+// Row t of src [T, width] (rows `ld` apart) into flat slot slots[t] of cache [slots, width]: copied
+// into a float32 cache, rounded (nearest even, as torch's .to() rounds) into a bfloat16 one.
 void store_rows(const float* src, int64_t ld, int64_t T, int64_t width, const int64_t* slots, float* cache) {
   for (int64_t t = 0; t < T; ++t) std::memcpy(cache + slots[t] * width, src + t * ld, width * sizeof(float));
+}
+
+void store_rows(const float* src, int64_t ld, int64_t T, int64_t width, const int64_t* slots, c10::BFloat16* cache) {
+  for (int64_t t = 0; t < T; ++t) std::copy(src + t * ld, src + t * ld + width, cache + slots[t] * width);
 }
 
 }  // namespace
@@ -47,9 +53,10 @@ at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta
                            const at::Tensor& page_table, const at::Tensor& kv_lens, int64_t num_heads,
                            int64_t num_kv_heads, double scale, int64_t window, int64_t bfloat16_rows) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be contiguous float32 [T, hidden]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache and v_cache must be contiguous float32 [pages, page_size, kv_heads, head_dim]");
+  const auto cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 && tandem_vec8::float_or_bf16(cache_dtype) && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_dtype && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous float32 or bfloat16 [pages, page_size, kv_heads, head_dim]");
   const int64_t T = h.size(0), H = num_heads, KVH = num_kv_heads, D = k_cache.size(3);
   TORCH_CHECK(k_cache.size(2) == KVH, "k_cache has ", k_cache.size(2), " kv heads, num_kv_heads is ", KVH);
   TORCH_CHECK(slots.numel() == T && slots.scalar_type() == at::kLong && slots.is_contiguous(),
@@ -67,8 +74,10 @@ at::Tensor decode_layer_q4(at::Tensor& h, const std::optional<at::Tensor>& delta
   at::Tensor qk = qkv_out.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D});
   rope_(qk, cos, sin);
   const float* qkv_p = qkv_out.data_ptr<float>();
-  store_rows(qkv_p + H * D, row, T, KVH * D, sp, k_cache.data_ptr<float>());
-  store_rows(qkv_p + (H + KVH) * D, row, T, KVH * D, sp, v_cache.data_ptr<float>());
+  tandem_vec8::dispatch(cache_dtype, [&]<typename C>() {
+    store_rows(qkv_p + H * D, row, T, KVH * D, sp, k_cache.data_ptr<C>());
+    store_rows(qkv_p + (H + KVH) * D, row, T, KVH * D, sp, v_cache.data_ptr<C>());
+  });
   const at::Tensor attended = paged_decode_attention(qkv_out.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache,
                                                      page_table, kv_lens, scale, window, -1);
   const at::Tensor x2 = add_rms_norm_(h, project(attended.view({T, H * D}), o, bfloat16_rows, "o"), mlp_norm, eps);

@@ -1,4 +1,4 @@
-// Causal attention of one sequence's prompt piece, read from the float32 paged KV cache where it lies
+// Causal attention of one sequence's prompt piece, read from the paged KV cache (float32 or bfloat16) where it lies
 // and multiplied in bfloat16 with AVX512-BF16's dot products (float32 sums), for a float32 model
 // whose prompt products run in bfloat16 (`--prefill-dtype bfloat16`). It replaces, for that case,
 // a gather of the sequence's pages, their conversion to bfloat16 and torch's CPU flash attention,
@@ -40,8 +40,10 @@ constexpr int64_t kSlice = 64;  // dims of the output summed per pass over V (fo
 
 using tandem_exp::exp_nonpositive;
 
-// float32 -> bfloat16 bits, nearest even (c10::BFloat16's rounding, as torch's .to(torch.bfloat16)).
+// A cache value as bfloat16 bits: float32 rounded to nearest even (c10::BFloat16's rounding, as
+// torch's .to(torch.bfloat16)); bfloat16 as it is.
 inline uint16_t to_bf16(float f) { return c10::BFloat16(f).x; }
+inline uint16_t to_bf16(c10::BFloat16 b) { return b.x; }
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
@@ -51,8 +53,9 @@ struct Packed {
   std::vector<uint16_t> v;   // [KVH][blocks * kKeys / 2][D][2]
 };
 
-// The sequence's first L keys and values of every kv head, packed as above.
-Packed pack(const float* k_cache, const float* v_cache, const int64_t* pages, int64_t L, int64_t P, int64_t KVH,
+// The sequence's first L keys and values of every kv head (a float32 or bfloat16 cache), packed as above.
+template <typename T>
+Packed pack(const T* k_cache, const T* v_cache, const int64_t* pages, int64_t L, int64_t P, int64_t KVH,
             int64_t D) {
   Packed out;
   out.blocks = (L + kKeys - 1) / kKeys;
@@ -153,16 +156,18 @@ TANDEM_BF16_TARGET void attend_rows(const uint16_t* qb, const Packed& kv, int64_
 }  // namespace
 
 // q [T, H, D] float32: a prompt piece's queries, row t at position kv_len - T + t; k_cache, v_cache
-// [pages, page_size, KVH, D] float32 holding the sequence's first kv_len positions (these rows'
+// [pages, page_size, KVH, D] float32 or bfloat16 holding the sequence's first kv_len positions (these rows'
 // keys and values written already) in `pages` [n]; each row attends to positions [0, its own].
 // -> [T, H, D] float32. Query head h reads kv head h / (H / KVH).
 at::Tensor prompt_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& pages, int64_t kv_len, double scale) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prompt_attention_bf16 needs a CPU with AVX512-BF16");
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be float32 [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache and v_cache must be contiguous float32 [pages, page_size, kv_heads, head_dim]");
+  const auto cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 && (cache_dtype == at::kFloat || cache_dtype == at::kBFloat16) &&
+              k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_dtype &&
+              v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous float32 or bfloat16 [pages, page_size, kv_heads, head_dim]");
   const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
   const int64_t P = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && D % kSlice == 0, "head_dim must match the cache and be a multiple of ", kSlice,
@@ -177,7 +182,9 @@ at::Tensor prompt_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
     TORCH_CHECK(pp[i] >= 0 && pp[i] < k_cache.size(0), "pages[", i, "] = ", pp[i], " is outside the cache's ",
                 k_cache.size(0));
   const at::Tensor qb = q_in.contiguous().to(at::kBFloat16);
-  const Packed kv = pack(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pp, kv_len, P, KVH, D);
+  const Packed kv = cache_dtype == at::kFloat
+                        ? pack(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pp, kv_len, P, KVH, D)
+                        : pack(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), pp, kv_len, P, KVH, D);
   auto out = at::empty({T, H, D}, q_in.options());
   const int64_t groups = (T + kRows - 1) / kRows, G = H / KVH, start = kv_len - T;
   const auto* q16 = reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>());

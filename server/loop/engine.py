@@ -113,12 +113,14 @@ class Engine:
             self.ranks = RankPool(RankSpec(config.model, config.dtype, config.prefill_dtype, config.device,
                                            config.attention_backend, config.page_size, config.num_threads,
                                            config.tp_size, 0, config.tp_timeout, disagg.role,
-                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise, config.gguf_blocks),
+                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise, config.gguf_blocks,
+                                           config.kv_cache_dtype),
                                   resolve_device(config.device))
             model = load_model(config.model, config.dtype, config.device, config.prefill_dtype,
-                               Shard(0, config.tp_size), self.ranks.group.all_reduce, config.gguf_blocks)
+                               Shard(0, config.tp_size), self.ranks.group.all_reduce, config.gguf_blocks,
+                               config.kv_cache_dtype)
         self.model = model or load_model(config.model, config.dtype, config.device, config.prefill_dtype,
-                                         gguf_blocks=config.gguf_blocks)
+                                         gguf_blocks=config.gguf_blocks, kv_cache_dtype=config.kv_cache_dtype)
         mc, lc = self.model.config, self.model.module.config  # the whole model; this rank's heads
         self.tokenizer = self.model.tokenizer
         self.context_length = config.context_length or mc.max_position_embeddings
@@ -128,7 +130,7 @@ class Engine:
         scratch = int(self.model.device.type == "cuda")
         self.kv_cache = PagedKVCache(
             mc.num_layers, num_pages + scratch, config.page_size, lc.kv_heads, mc.kv_dim,
-            self.model.compute_dtype, self.model.device, value_dim=mc.kv_value_dim
+            self.model.kv_dtype, self.model.device, value_dim=mc.kv_value_dim
         )
         log.info("KV cache: %d bytes per token%s", self.kv_bytes_per_token,
                  "" if config.tp_size == 1 else " on each rank (a latent: whole on each)" if mc.latent else
@@ -172,7 +174,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """This rank's KV cache per token, every layer (a latent cache: the whole latent)."""
-        return kv_bytes_per_token(self.model.module.config, self.model.compute_dtype)
+        return kv_bytes_per_token(self.model.module.config, self.model.kv_dtype)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> "Engine":

@@ -31,9 +31,14 @@ class LoadedModel:
     module: LlamaForCausalLM
     tokenizer: object  # a transformers tokenizer (None on tensor-parallel ranks other than 0)
     dtype: torch.dtype  # precision of the weights (--dtype)
-    compute_dtype: torch.dtype  # what the math and the KV cache use: dtype, or float32 where dtype is emulated
+    compute_dtype: torch.dtype  # what the math uses: dtype, or float32 where dtype is emulated
     device: torch.device
     shard: Shard = Shard()  # which tensor-parallel rank's share `module` holds (config: the whole model's)
+    kv_dtype: torch.dtype | None = None  # what the KV cache keeps (resolve_kv_dtype); None: compute_dtype
+
+    def __post_init__(self):
+        if self.kv_dtype is None:
+            self.kv_dtype = self.compute_dtype
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -96,7 +101,7 @@ def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False,
 
 
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype to do math in (and keep the KV cache in). A CPU without bf16/fp16 instructions
+    """The dtype to do math in (and, by default, keep the KV cache in: resolve_kv_dtype). A CPU without bf16/fp16 instructions
     emulates them 2-4x slower than float32 (measured: GEMMs and SDPA); there the weights keep
     their 16-bit values (rounded at load) but the arithmetic runs in float32. The KV cache follows
     the math: a 16-bit cache would cost a conversion of every gathered page on every layer."""
@@ -109,10 +114,10 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, device: torch.device) -> tuple[str, str]:
     """The dtype of projections over many rows, and why. Only float32 weights on a CPU have a
     choice: bfloat16 there rounds the inputs of prefill products and of decode steps of 5 rows or
-    more (`tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not the KV
-    cache, decode attention or smaller decode steps), for two to
-    three times float32's speed on AVX512-BF16. `auto` takes it only where `--dtype` was auto too,
-    so that `--dtype float32` stays exact."""
+    more (`tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not decode
+    attention or smaller decode steps, and the KV cache only as `resolve_kv_dtype` decides), for two
+    to three times float32's speed on AVX512-BF16. `auto` takes it only where `--dtype` was auto
+    too, so that `--dtype float32` stays exact."""
     if dtype != "float32" or device.type != "cpu":
         if prefill_dtype == "bfloat16":
             raise ValueError(f"--prefill-dtype=bfloat16 applies to float32 weights on a CPU; here they are {dtype} on {device}")
@@ -127,10 +132,42 @@ def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, devi
     return "float32", "auto: no native bfloat16 on this CPU"
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, compute: torch.dtype, prefill: torch.dtype,
+                     device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype the KV cache keeps, and why. `auto`: the compute dtype, except where a float32
+    model's prompt products run in bfloat16 (`resolve_prefill_dtype`) on a CPU that multiplies
+    bfloat16 natively: there bfloat16, half the bytes each decode step's attention reads
+    (`paged_decode_attention` widens them as it loads; over float32 pages it took ~40% of an
+    8-sequence decode step of SmolLM2 at ~350 tokens on a 2-core Zen 5). Prompts' K and V come out
+    of bfloat16 products there already; what it adds is the rounding of the K and V of decode steps
+    below BFLOAT16_MIN_ROWS, while `--dtype float32` (exact) keeps float32. A cache other than the
+    compute dtype: on a CPU, float32 or bfloat16 beside float32 or bfloat16 math (tandem's kernels
+    read both); on CUDA the attention kernels read the compute dtype."""
+    if kv_cache_dtype == "auto":
+        native = device.type == "cpu" and _native_bf16_flags(runnable_flags())
+        if native and compute == torch.float32 and prefill == torch.bfloat16:
+            return torch.bfloat16, (f"auto: prompt products in bfloat16 on this CPU ({', '.join(native)}); half the "
+                                    "bytes for decode attention")
+        return compute, "auto: as the math"
+    if kv_cache_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--kv-cache-dtype={kv_cache_dtype!r} is invalid: choose auto, float32 or bfloat16")
+    kv = DTYPES[kv_cache_dtype]
+    if kv != compute:
+        if device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype={kv_cache_dtype} on {device}: the KV cache there keeps the compute "
+                             f"dtype, {str(compute).removeprefix('torch.')}")
+        if compute not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"--kv-cache-dtype={kv_cache_dtype} with {str(compute).removeprefix('torch.')} math: "
+                             "a KV cache other than the compute dtype needs float32 or bfloat16 math")
+    return kv, "asked for"
+
+
 def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto", shard: Shard = Shard(),
-               all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gguf_blocks: str = "4bit") -> LoadedModel:
+               all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gguf_blocks: str = "4bit",
+               kv_cache_dtype: str = "auto") -> LoadedModel:
     """`shard`, `all_reduce`: load one tensor-parallel rank's share (`tandem.server.model.shard`).
-    `gguf_blocks`: 4bit or int8, the form small products read a GGUF file's Q4 blocks in (`Linear`)."""
+    `gguf_blocks`: 4bit or int8, the form small products read a GGUF file's Q4 blocks in (`Linear`).
+    `kv_cache_dtype`: auto, float32 or bfloat16 (`resolve_kv_dtype`)."""
     if gguf_blocks not in ("4bit", "int8"):
         raise ValueError(f"--gguf-blocks={gguf_blocks!r} is invalid: choose 4bit or int8")
     from tandem.server.model.tokenizer import load_tokenizer
@@ -150,6 +187,7 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     if compute != DTYPES[dtype]:
         why += f"; float32 math and KV cache: this CPU has no native {dtype} instructions"
     prefill, prefill_why = resolve_prefill_dtype(prefill_dtype, asked, dtype, dev)
+    kv, kv_why = resolve_kv_dtype(kv_cache_dtype, compute, DTYPES[prefill], dev)
     if weights is None:
         weights = random_weights(config, compute, dev)
     module = LlamaForCausalLM(config, weights, DTYPES[dtype], dev, compute_dtype=compute, blocks=blocks,
@@ -159,18 +197,18 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     if dev.type == "cuda":  # give the unfused copies back, so that the KV pool can size itself from what is free
         torch.cuda.empty_cache()
     if shard.rank:
-        return LoadedModel(source, config, module, None, DTYPES[dtype], compute, dev, shard)
+        return LoadedModel(source, config, module, None, DTYPES[dtype], compute, dev, shard, kv)
     log.info("%s: %s", source.name, config.describe())
     first = module.layers[0]
     layer_linear = getattr(first, "qkv", None) or getattr(first, "gate_up", None)
     forms = (f"layers' projections: {layer_linear.describe()}; " if layer_linear is not None else "") + \
         f"LM head: {module.lm_head.describe()}"
-    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); %s; CPU flags: %s%s",
-             source.name, dev, dtype, why, prefill, prefill_why, forms,
+    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); KV cache in %s (%s); %s; CPU flags: %s%s",
+             source.name, dev, dtype, why, prefill, prefill_why, str(kv).removeprefix("torch."), kv_why, forms,
              " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-",
              f" ({cpu_features().describe()})" if dev.type == "cpu" else "")
-    return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev, shard)
+    return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev, shard, kv)
 
 
 __all__ = ["LoadedModel", "ModelConfig", "Shard", "ModelLoadError", "load_model", "resolve_device", "resolve_dtype",
-           "resolve_prefill_dtype", "compute_dtype_for", "cpu_flags", "DTYPES"]
+           "resolve_prefill_dtype", "resolve_kv_dtype", "compute_dtype_for", "cpu_flags", "DTYPES"]

@@ -67,6 +67,7 @@ class RankSpec:
     ib_device: str = ""
     advertise_host: str = "127.0.0.1"
     gguf_blocks: str = "4bit"
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -239,10 +240,10 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
             torch.cuda.set_device(device)  # kernels and the transfer engine that use "the" device
         group = ProcessGroup(rank, spec.size, device, spec.port, spec.timeout)
         model = load_model(spec.model, spec.dtype, str(device), spec.prefill_dtype, Shard(rank, spec.size),
-                           group.all_reduce, spec.gguf_blocks)
+                           group.all_reduce, spec.gguf_blocks, spec.kv_cache_dtype)
         _, num_pages = conn.recv()
         c = model.module.config
-        kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.kv_heads, c.kv_dim, model.compute_dtype,
+        kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.kv_heads, c.kv_dim, model.kv_dtype,
                           model.device, value_dim=c.kv_value_dim)
         attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows,
                               prompt_dtype=model.module.prefill_dtype)

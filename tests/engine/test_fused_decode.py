@@ -38,8 +38,8 @@ def calls(monkeypatch):
     return taken
 
 
-def cache_and_backend(c, seed: int) -> tuple[PagedKVCache, TorchAttention]:
-    cache = PagedKVCache(c.num_layers, PAGES, PAGE, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu"))
+def cache_and_backend(c, seed: int, dtype: torch.dtype = torch.float32) -> tuple[PagedKVCache, TorchAttention]:
+    cache = PagedKVCache(c.num_layers, PAGES, PAGE, c.num_kv_heads, c.head_dim, dtype, torch.device("cpu"))
     cache.buffer.normal_(generator=torch.Generator().manual_seed(seed))
     return cache, TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
 
@@ -66,7 +66,10 @@ def decode_batch(rows: int, rng: random.Random) -> tuple[AttentionBatch, list[in
 
 
 @pytest.mark.parametrize("rows", [1, 3, BLOCK_MAX_ROWS])
-def test_a_fused_step_equals_the_op_by_op_step_bit_for_bit(smollm_fp32, calls, rows):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_step_equals_the_op_by_op_step_bit_for_bit(smollm_fp32, calls, rows, kv_dtype):
+    """Over a float32 cache, and over a bfloat16 one (the new K and V rounded as the cache's write
+    rounds them, read widened)."""
     model, c = smollm_fp32.module, smollm_fp32.config
     assert all(layer.fused is not None for layer in model.layers) and model.fused_stack is not None
     rng = random.Random(rows)
@@ -74,7 +77,7 @@ def test_a_fused_step_equals_the_op_by_op_step_bit_for_bit(smollm_fp32, calls, r
     ids = [rng.randrange(c.vocab_size) for _ in range(rows)]
     out, buffers = {}, {}
     for form in ("stack", "layer", "op_by_op"):
-        cache, attn = cache_and_backend(c, seed=rows)
+        cache, attn = cache_and_backend(c, seed=rows, dtype=kv_dtype)
         out[form], buffers[form] = step(model, cache, attn, batch, ids, positions, form), cache.buffer
     layer_steps = [("layer", True)] * c.num_layers
     assert calls == [("stack", True)] + layer_steps + [("layer", False)] * c.num_layers  # off: op by op
@@ -82,7 +85,7 @@ def test_a_fused_step_equals_the_op_by_op_step_bit_for_bit(smollm_fp32, calls, r
         assert torch.equal(out["stack"], out[form]), form
         assert torch.equal(buffers["stack"], buffers[form]), form  # the same K and V in the same slots
     written = cache.k[0].flatten(0, 1)[batch.out_slots]
-    assert not torch.equal(written, cache_and_backend(c, seed=rows)[0].k[0].flatten(0, 1)[batch.out_slots])
+    assert not torch.equal(written, cache_and_backend(c, seed=rows, dtype=kv_dtype)[0].k[0].flatten(0, 1)[batch.out_slots])
 
 
 @pytest.mark.parametrize("rows", [BFLOAT16_MIN_ROWS - 1, BLOCK_MAX_ROWS])

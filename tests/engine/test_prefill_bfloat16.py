@@ -2,7 +2,8 @@
 (`--prefill-dtype`, auto on CPUs with AVX512-BF16): prefill chunks and decode batches of more than
 8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF blocks
 in whichever form they are held (`block_gemm_bf16`, where the CPU has AVX512-BF16: the file's 4-bit
-and 8-bit blocks, or int8 blocks with `--gguf-blocks int8`); and the attention of prompt pieces. Against HF transformers in float32 on the
+and 8-bit blocks, or int8 blocks with `--gguf-blocks int8`); the attention of prompt pieces; and
+beside them, where bfloat16 is native, a bfloat16 KV cache (`--kv-cache-dtype auto`). Against HF transformers in float32 on the
 same GGUF weights: teacher-forced logits within TOLERANCE, and greedy output equal up to the first
 position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
 so it runs on every CPU (the copy's products emulated where bfloat16 is not native: slower, within
@@ -76,6 +77,25 @@ def test_decode_sized_products_round_against_the_blocks(hf_reference, smollm_bf1
             assert why == "this CPU lacks AVX512-BF16, or faults on it" or why.startswith(
                 "tandem's CPU kernels are unavailable")
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_one_row_decode_steps_over_a_bfloat16_kv_cache_stay_within_the_tolerance(smollm_bf16_prefill, hf_reference):
+    """`--kv-cache-dtype auto` keeps the cache in bfloat16 beside bfloat16 prompts where the CPU
+    multiplies bfloat16 natively (forced here elsewhere): one-row decode steps, whose products are
+    float32 and exact, then read K and V rounded to bfloat16, and write theirs rounded."""
+    from tandem.server.model import load_model
+
+    loaded = smollm_bf16_prefill
+    if loaded.kv_dtype != torch.bfloat16:
+        assert bfloat16_blocks_unavailable() is not None  # auto chose float32 only where bfloat16 is not native
+        loaded = load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert loaded.kv_dtype == torch.bfloat16
+    ids = prompts(loaded.tokenizer)
+    for p in (ids[3], ids[7]):
+        with torch.inference_mode():
+            want = hf_reference.model(torch.tensor([p])).logits[0].float()
+        got = teacher_forced_logits(loaded, p, decode_steps=16)
+        assert_close_to_reference(got, want, f"{len(p)} tokens, the last 16 one decode step each")
 
 
 def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefill, hf_reference):

@@ -15,7 +15,7 @@ def teacher_forced_logits(loaded, ids: list[int], piece: int | None = None, deco
     (default: one pass) up to the last `decode_steps` tokens, then one decode step per token."""
     c = loaded.config
     pages = list(range(-(-len(ids) // page_size)))
-    cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.compute_dtype,
+    cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.kv_dtype,
                          loaded.device)
     attn = create_backend("torch", cache, c.num_heads, c.head_dim, prompt_dtype=loaded.module.prefill_dtype)
     prompt = len(ids) - decode_steps

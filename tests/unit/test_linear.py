@@ -125,3 +125,27 @@ def test_prefill_dtype_auto_rounds_only_where_dtype_was_auto_and_bfloat16_is_nat
     with pytest.raises(ValueError, match=r"--prefill-dtype=bfloat16 applies to float32 weights on a CPU; "
                                          r"here they are bfloat16 on cuda"):
         model.resolve_prefill_dtype("bfloat16", "auto", "bfloat16", torch.device("cuda"))
+
+
+def test_kv_cache_dtype_auto_is_bfloat16_only_beside_bfloat16_prompt_products_on_a_native_cpu(monkeypatch):
+    from tandem.server import model
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    f32, bf16 = torch.float32, torch.bfloat16
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16"])
+    assert model.resolve_kv_dtype("auto", f32, bf16, cpu) == (
+        bf16, "auto: prompt products in bfloat16 on this CPU (avx512_bf16); half the bytes for decode attention")
+    assert model.resolve_kv_dtype("auto", f32, f32, cpu) == (f32, "auto: as the math")  # --dtype float32: exact
+    assert model.resolve_kv_dtype("auto", bf16, bf16, cpu)[0] == bf16
+    assert model.resolve_kv_dtype("float32", f32, bf16, cpu) == (f32, "asked for")
+    assert model.resolve_kv_dtype("bfloat16", f32, f32, cpu) == (bf16, "asked for")
+    assert model.resolve_kv_dtype("auto", bf16, bf16, cuda)[0] == bf16
+    monkeypatch.setattr(model, "runnable_flags", lambda: ["avx2", "fma"])  # bfloat16 prompts forced, not native
+    assert model.resolve_kv_dtype("auto", f32, bf16, cpu)[0] == f32
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype='float16' is invalid: choose auto, float32 or bfloat16"):
+        model.resolve_kv_dtype("float16", f32, f32, cpu)
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype=float32 on cuda: the KV cache there keeps the compute "
+                                         r"dtype, bfloat16"):
+        model.resolve_kv_dtype("float32", bf16, bf16, cuda)
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype=bfloat16 with float16 math"):
+        model.resolve_kv_dtype("bfloat16", torch.float16, torch.float16, cpu)

@@ -1,9 +1,10 @@
 """`prompt_attention_bf16` (csrc/prompt_attention_bf16.cpp): a prompt piece's causal attention read in
-place from a float32 paged cache and multiplied in bfloat16, against float64 attention over the
-bfloat16-rounded q, K and V (within what rounding the softmax weights to bfloat16 can cost), for
-pieces with and without a cached prefix, lengths that fill no whole block of keys or group of rows,
-GQA and head dims of 64 and 128; then through TorchAttention, which takes it for float32 caches
-whose prompts compute in bfloat16 on a CPU with AVX512-BF16; and its refusals, by name."""
+place from a float32 or bfloat16 paged cache and multiplied in bfloat16, against float64 attention
+over the bfloat16-rounded q, K and V (within what rounding the softmax weights to bfloat16 can cost),
+for pieces with and without a cached prefix, lengths that fill no whole block of keys or group of
+rows, GQA and head dims of 64 and 128 (a bfloat16 cache: bit for bit a float32 one holding the same
+rounded values); then through TorchAttention, which takes it for caches whose prompts compute in
+bfloat16 on a CPU with AVX512-BF16; and its refusals, by name."""
 
 from __future__ import annotations
 
@@ -70,14 +71,18 @@ def test_matches_float64_attention_over_the_rounded_operands(q_len, kv_len, head
     want, bound = reference(q, k_cache, v_cache, pages, kv_len, dim**-0.5)
     worst = float(((out.double() - want).abs() / bound).max())
     assert worst <= 1, f"off by {worst:.2f}x the bound"
+    # a bfloat16 cache holds what the kernel rounds a float32 one to: the same result, bit for bit
+    rounded = torch.ops.tandem.prompt_attention_bf16(q, k_cache.bfloat16(), v_cache.bfloat16(), pages, kv_len, dim**-0.5)
+    assert torch.equal(rounded, out)
 
 
-def attend(prompt_dtype, in_place: bool | None = None) -> tuple[torch.Tensor, TorchAttention]:
+def attend(prompt_dtype, in_place: bool | None = None,
+           kv_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, TorchAttention]:
     """Two prompt pieces (one after a cached prefix of 37 tokens) and a decode, through TorchAttention
-    over a float32 cache: H 9, KVH 3, D 64 (SmolLM2's)."""
+    over a cache of `kv_dtype`: H 9, KVH 3, D 64 (SmolLM2's)."""
     H, KVH, D = 9, 3, 64
     shapes = [(0, 70), (37, 50), (20, 1)]
-    cache = PagedKVCache(1, 64, PAGE, KVH, D, torch.float32, torch.device("cpu"))
+    cache = PagedKVCache(1, 64, PAGE, KVH, D, kv_dtype, torch.device("cpu"))
     pages = iter(random.Random(3).sample(range(64), 64))
     gen = torch.Generator().manual_seed(5)
     tables, slots, ks, vs, qs = [], [], [], [], []
@@ -114,6 +119,19 @@ def test_torch_attention_reads_bfloat16_prompts_in_place_where_it_can():
         assert not torch.equal(out[:120], gathered[:120])  # not SDPA's: the kernel ran
 
 
+def test_torch_attention_reads_a_bfloat16_cache_in_place_too():
+    """A bfloat16 cache (--kv-cache-dtype): its prompts read in place as well, within bfloat16's
+    rounding of SDPA's bfloat16 attention over the same pages; its decode read in place by
+    paged_decode_attention, within the rounding of K and V of the float32 cache's."""
+    out, backend = attend(torch.bfloat16, kv_dtype=torch.bfloat16)
+    assert backend.in_place_prompt == NATIVE and backend.in_place_decode == (cpu_ops_unavailable() is None)
+    gathered, sdpa = attend(torch.bfloat16, in_place=False, kv_dtype=torch.bfloat16)
+    assert not sdpa.in_place_prompt
+    torch.testing.assert_close(out, gathered, atol=2e-2, rtol=2e-2)
+    assert NATIVE != torch.equal(out[:120], gathered[:120])  # where native, the kernel ran, not SDPA
+    torch.testing.assert_close(out, attend(None)[0], atol=2e-2, rtol=2e-2)
+
+
 def test_refuses_what_it_cannot_take_by_name():
     k_cache, v_cache = scattered_cache(4, 2, 64, seed=1)
     pages = torch.tensor([0, 1])
@@ -129,5 +147,7 @@ def test_refuses_what_it_cannot_take_by_name():
     with pytest.raises(RuntimeError, match="head_dim must match the cache and be a multiple of 64, got 32"):
         small = torch.randn(4, PAGE, 2, 32)
         torch.ops.tandem.prompt_attention_bf16(torch.randn(3, 4, 32), small, small, pages, 20, 0.125)
+    with pytest.raises(RuntimeError, match=r"k_cache and v_cache must be contiguous float32 or bfloat16"):
+        torch.ops.tandem.prompt_attention_bf16(q, k_cache, v_cache.bfloat16(), pages, 20, 0.125)
     with pytest.raises(RuntimeError, match=r"query heads \(3\) must be a multiple of kv heads \(2\)"):
         torch.ops.tandem.prompt_attention_bf16(torch.randn(3, 3, 64), k_cache, v_cache, pages, 20, 0.125)
