@@ -49,7 +49,9 @@ class EngineConfig:
               "256 on a CPU, whose products are compute-bound from a few hundred rows on: a bigger batch makes no "
               "pass faster, it only makes the first prompt wait for the others")
     chunked_prefill_size: int = opt(2048, "longest prompt piece prefilled in one step; 0 disables chunking")
-    enable_mixed_chunk: bool = opt(False, "run a prefill chunk in the same forward pass as the running decodes")
+    enable_mixed_chunk: bool | None = opt(
+        None, "run a prefill chunk in the same forward pass as the running decodes; unset: on a CPU (its prompt "
+              "passes are compute-bound, so the decodes ride along), off on CUDA (decode steps replay CUDA graphs)")
     schedule_policy: Literal["fcfs", "lpm"] = opt("fcfs", "waiting-queue order: first come, or longest prefix match")
     disable_radix_cache: bool = opt(False, "use a plain chunk cache instead of the radix prefix cache")
     context_length: int | None = opt(None, "override the model's context length")

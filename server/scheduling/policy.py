@@ -34,6 +34,20 @@ def prefill_tokens_per_pass(asked: int | None, device_type: str) -> tuple[int, s
     return GPU_PREFILL_TOKENS, f"unset, on {device_type}"
 
 
+def mixed_chunks(asked: bool | None, device_type: str) -> tuple[bool, str]:
+    """`--enable-mixed-chunk`, or its default for the device, and why. On a CPU a prompt piece's
+    pass is bound by its projections' arithmetic, so the running decodes' rows ride along at little
+    cost instead of waiting a pass and then taking one of their own: `tandem bench peers` on a
+    2-core Zen 5 measured 1.06x, 1.15x and 1.07x the tokens/s at concurrency 8 on three workloads
+    (1.01-1.04x in an earlier five-repeat run), TTFT p50 within 0.005 s. On CUDA, off: a mixed
+    pass replays no CUDA graph."""
+    if asked is not None:
+        return asked, "asked for"
+    if device_type == "cpu":
+        return True, "unset, on a CPU: decodes ride along with prompt pieces, whose passes are compute-bound"
+    return False, f"unset, on {device_type}: decode steps replay CUDA graphs"
+
+
 class NewTokenRatio:
     """Share of each running request's remaining output that admission keeps free for it.
 

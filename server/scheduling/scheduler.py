@@ -25,7 +25,7 @@ from tandem.server.config import EngineConfig
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
 from tandem.server.scheduling.policy import (
-    NewTokenRatio, PrefillBudget, order_waiting, prefill_tokens_per_pass, retraction_victim,
+    NewTokenRatio, PrefillBudget, mixed_chunks, order_waiting, prefill_tokens_per_pass, retraction_victim,
 )
 from tandem.server.scheduling.request import Finish, Request, Status
 
@@ -51,9 +51,11 @@ class SchedulerConfig:
     def of(cls, config: EngineConfig, device_type: str, hand_off_finished: bool) -> SchedulerConfig:
         """The scheduler's settings from the engine's, the prompt tokens per pass chosen for the device."""
         prefill_tokens, why = prefill_tokens_per_pass(config.max_prefill_tokens, device_type)
-        log.info("max prefill tokens %d (%s)", prefill_tokens, why)
+        mixed, mixed_why = mixed_chunks(config.enable_mixed_chunk, device_type)
+        log.info("max prefill tokens %d (%s); mixed chunks %s (%s)", prefill_tokens, why, "on" if mixed else "off",
+                 mixed_why)
         return cls(max_running_requests=config.max_running_requests, max_prefill_tokens=prefill_tokens,
-                   chunked_prefill_size=config.chunked_prefill_size, enable_mixed_chunk=config.enable_mixed_chunk,
+                   chunked_prefill_size=config.chunked_prefill_size, enable_mixed_chunk=mixed,
                    schedule_policy=config.schedule_policy, init_new_token_ratio=config.init_new_token_ratio,
                    min_new_token_ratio=config.min_new_token_ratio,
                    new_token_ratio_decay_steps=config.new_token_ratio_decay_steps, hand_off_finished=hand_off_finished)

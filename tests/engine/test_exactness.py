@@ -1,7 +1,7 @@
 """Greedy float32 outputs are token-identical to HF transformers on the same GGUF weights, under
 every batching shape the engine produces: chunked prefill, prefix-cache hits, page sizes 1 and 16,
-mixed batches, the chunk cache, and a pool small enough to force retraction; with the plain loop
-(a CPU's default) and the overlapped one."""
+mixed batches (a CPU's default) and prefills apart from decodes, the chunk cache, and a pool small
+enough to force retraction; with the plain loop (a CPU's default) and the overlapped one."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from support.checks import run_and_compare
 CONFIGS = {
     "page16-chunk256": dict(page_size=16, chunked_prefill_size=256),
     "page1-chunk256": dict(page_size=1, chunked_prefill_size=256),
+    "prefills-apart": dict(page_size=16, chunked_prefill_size=256, enable_mixed_chunk=False),
     "mixed-chunk": dict(page_size=16, chunked_prefill_size=256, enable_mixed_chunk=True),
     "no-radix-cache": dict(page_size=16, chunked_prefill_size=256, disable_radix_cache=True),
     "lpm-no-chunking": dict(page_size=4, chunked_prefill_size=0, schedule_policy="lpm"),
@@ -34,8 +35,11 @@ def test_greedy_matches_reference(make_engine, greedy_workload, name):
 def test_retraction_keeps_outputs_exact(make_engine, greedy_workload):
     # Room for the longest prompt plus its output, far from room for all of them at once; with no
     # output reserve, admission packs the pool and the decodes' growth must retract.
+    # Prefills apart from decodes: the schedule this pool was sized for (with mixed passes, a
+    # CPU's default, the same pool does not retract).
     engine = make_engine(
-        page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0, min_new_token_ratio=0.0
+        page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0, min_new_token_ratio=0.0,
+        enable_mixed_chunk=False,
     )
     run_and_compare(engine, greedy_workload, "small pool")
     assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was not small enough to retract"

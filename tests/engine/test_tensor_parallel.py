@@ -36,8 +36,10 @@ def test_three_ranks_match_the_reference(greedy_workload):
 
 
 def test_three_ranks_stay_exact_through_retraction(greedy_workload):
+    # Prefills apart from decodes, as in test_exactness.py's retraction test: the schedule this pool
+    # was sized for.
     engine = tp_engine(page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0,
-                       min_new_token_ratio=0.0)
+                       min_new_token_ratio=0.0, enable_mixed_chunk=False)
     try:
         run_and_compare(engine, greedy_workload, "tp3 small pool")
         assert engine.call(lambda: engine.scheduler.stats.retractions) > 0, "the pool was not small enough to retract"

@@ -9,7 +9,7 @@ import pytest
 import support.requests
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutput, StepPlan
-from tandem.server.scheduling.policy import CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS, prefill_tokens_per_pass
+from tandem.server.scheduling.policy import CPU_PREFILL_TOKENS, GPU_PREFILL_TOKENS, mixed_chunks, prefill_tokens_per_pass
 from tandem.server.scheduling.request import Finish, Request, Status
 from tandem.server.scheduling.scheduler import Scheduler, SchedulerConfig
 
@@ -171,6 +171,13 @@ def test_one_prompt_may_exceed_max_prefill_tokens():
     assert [(s.rid, len(s.token_ids)) for s in first.seqs] == [("long", 30)]
     assert [r.rid for r in sched.waiting] == ["short"]
     run_to_completion(sched, runner)
+
+
+def test_mixed_chunks_when_unset_are_on_for_a_cpu_only():
+    assert mixed_chunks(None, "cpu")[0] is True
+    assert mixed_chunks(None, "cuda") == (False, "unset, on cuda: decode steps replay CUDA graphs")
+    assert mixed_chunks(False, "cpu") == (False, "asked for")
+    assert mixed_chunks(True, "cuda") == (True, "asked for")
 
 
 def test_prefill_tokens_per_pass_when_unset_is_a_few_hundred_on_a_cpu():
