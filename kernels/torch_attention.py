@@ -44,7 +44,8 @@ class TorchAttention(AttentionBackend):
         self.in_place_decode = (c.device.type == "cpu" and c.dtype in (torch.float32, torch.bfloat16)
                                 and cpu_ops_unavailable() is None)
         self.in_place_prompt = (prompt_dtype == torch.bfloat16 and c.device.type == "cpu"
-                                and c.dtype in (torch.float32, torch.bfloat16) and not c.latent and c.head_dim % 64 == 0 and bfloat16_blocks_unavailable() is None)
+                                and c.dtype in (torch.float32, torch.bfloat16) and not c.latent
+                                and c.head_dim % 64 == 0 and bfloat16_blocks_unavailable() is None)
         if prompt_dtype == torch.bfloat16 and c.device.type == "cpu":
             log.info("prompt attention in bfloat16: %s", "read in place (prompt_attention_bf16; SDPA for windowed layers)"
                      if self.in_place_prompt else "SDPA over gathered pages (the in-place kernel needs a float32 "

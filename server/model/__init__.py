@@ -101,10 +101,11 @@ def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False,
 
 
 def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype to do math in (and, by default, keep the KV cache in: resolve_kv_dtype). A CPU without bf16/fp16 instructions
-    emulates them 2-4x slower than float32 (measured: GEMMs and SDPA); there the weights keep
-    their 16-bit values (rounded at load) but the arithmetic runs in float32. The KV cache follows
-    the math: a 16-bit cache would cost a conversion of every gathered page on every layer."""
+    """The dtype to do math in (and, by default, keep the KV cache in: resolve_kv_dtype). A CPU
+    without bf16/fp16 instructions emulates them 2-4x slower than float32 (measured: GEMMs and
+    SDPA); there the weights keep their 16-bit values (rounded at load) but the arithmetic runs in
+    float32. The KV cache follows the math: a 16-bit cache would cost a conversion of every
+    gathered page on every layer."""
     if device.type != "cpu" or dtype not in _CPU_HALF_FLAGS:
         return dtype
     flags = runnable_flags()

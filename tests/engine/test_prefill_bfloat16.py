@@ -3,9 +3,9 @@
 8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF blocks
 in whichever form they are held (`block_gemm_bf16`, where the CPU has AVX512-BF16: the file's 4-bit
 and 8-bit blocks, or int8 blocks with `--gguf-blocks int8`); the attention of prompt pieces; and
-beside them, where bfloat16 is native, a bfloat16 KV cache (`--kv-cache-dtype auto`). Against HF transformers in float32 on the
-same GGUF weights: teacher-forced logits within TOLERANCE, and greedy output equal up to the first
-position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
+beside them, where bfloat16 is native, a bfloat16 KV cache (`--kv-cache-dtype auto`). Against HF
+transformers in float32 on the same GGUF weights: teacher-forced logits within TOLERANCE, and greedy
+output equal up to the first position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
 so it runs on every CPU (the copy's products emulated where bfloat16 is not native: slower, within
 the same tolerance; the blocks' products exact float32 there, as the CPU lacks the instruction)."""
 
@@ -88,7 +88,8 @@ def test_one_row_decode_steps_over_a_bfloat16_kv_cache_stay_within_the_tolerance
     loaded = smollm_bf16_prefill
     if loaded.kv_dtype != torch.bfloat16:
         assert bfloat16_blocks_unavailable() is not None  # auto chose float32 only where bfloat16 is not native
-        loaded = load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", kv_cache_dtype="bfloat16")
+        loaded = load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16",
+                            kv_cache_dtype="bfloat16")
     assert loaded.kv_dtype == torch.bfloat16
     ids = prompts(loaded.tokenizer)
     for p in (ids[3], ids[7]):

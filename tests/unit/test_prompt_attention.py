@@ -72,7 +72,8 @@ def test_matches_float64_attention_over_the_rounded_operands(q_len, kv_len, head
     worst = float(((out.double() - want).abs() / bound).max())
     assert worst <= 1, f"off by {worst:.2f}x the bound"
     # a bfloat16 cache holds what the kernel rounds a float32 one to: the same result, bit for bit
-    rounded = torch.ops.tandem.prompt_attention_bf16(q, k_cache.bfloat16(), v_cache.bfloat16(), pages, kv_len, dim**-0.5)
+    rounded = torch.ops.tandem.prompt_attention_bf16(q, k_cache.bfloat16(), v_cache.bfloat16(), pages, kv_len,
+                                                     dim**-0.5)
     assert torch.equal(rounded, out)
 
 
