@@ -39,8 +39,8 @@ def mixed_chunks(asked: bool | None, device_type: str) -> tuple[bool, str]:
     pass is bound by its projections' arithmetic, so the running decodes' rows ride along at little
     cost instead of waiting a pass and then taking one of their own: `tandem bench peers` on a
     2-core Zen 5 measured 1.06x, 1.15x and 1.07x the tokens/s at concurrency 8 on three workloads
-    (1.01-1.04x in an earlier five-repeat run), TTFT p50 within 0.005 s. On CUDA, off: a mixed
-    pass replays no CUDA graph."""
+    (1.01-1.04x in an earlier five-repeat run); TTFT p50 0.005-0.015 s later (a prompt's pass carries
+    the decodes' rows too). On CUDA, off: a mixed pass replays no CUDA graph."""
     if asked is not None:
         return asked, "asked for"
     if device_type == "cpu":

@@ -5,9 +5,10 @@ in whichever form they are held (`block_gemm_bf16`, where the CPU has AVX512-BF1
 and 8-bit blocks, or int8 blocks with `--gguf-blocks int8`); the attention of prompt pieces; and
 beside them, where bfloat16 is native, a bfloat16 KV cache (`--kv-cache-dtype auto`). Against HF
 transformers in float32 on the same GGUF weights: teacher-forced logits within TOLERANCE, and greedy
-output equal up to the first position where the reference's top-2 logit gap is below TOLERANCE. Loaded with the path forced on,
-so it runs on every CPU (the copy's products emulated where bfloat16 is not native: slower, within
-the same tolerance; the blocks' products exact float32 there, as the CPU lacks the instruction)."""
+output equal up to the first position where the reference's top-2 logit gap is below TOLERANCE.
+Loaded with the path forced on, so it runs on every CPU (the copy's products emulated where bfloat16
+is not native: slower, within the same tolerance; the blocks' products exact float32 there, as the
+CPU lacks the instruction)."""
 
 from __future__ import annotations
 
