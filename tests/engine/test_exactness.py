@@ -36,7 +36,7 @@ def test_retraction_keeps_outputs_exact(make_engine, greedy_workload):
     # Room for the longest prompt plus its output, far from room for all of them at once; with no
     # output reserve, admission packs the pool and the decodes' growth must retract.
     # Prefills apart from decodes: the schedule this pool was sized for (with mixed passes, a
-    # CPU's default, the same pool does not retract).
+    # CPU's default, whether it retracts depends on when the requests arrive).
     engine = make_engine(
         page_size=1, chunked_prefill_size=256, max_total_tokens=1800, init_new_token_ratio=0.0, min_new_token_ratio=0.0,
         enable_mixed_chunk=False,
