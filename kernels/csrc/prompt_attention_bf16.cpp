@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "exp_nonpositive.h"
+#include "vec8.h"
 
 #define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
@@ -164,7 +165,7 @@ at::Tensor prompt_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prompt_attention_bf16 needs a CPU with AVX512-BF16");
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be float32 [T, H, D]");
   const auto cache_dtype = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 4 && (cache_dtype == at::kFloat || cache_dtype == at::kBFloat16) &&
+  TORCH_CHECK(k_cache.dim() == 4 && tandem_vec8::float_or_bf16(cache_dtype) &&
               k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_dtype &&
               v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous float32 or bfloat16 [pages, page_size, kv_heads, head_dim]");
@@ -182,9 +183,10 @@ at::Tensor prompt_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cac
     TORCH_CHECK(pp[i] >= 0 && pp[i] < k_cache.size(0), "pages[", i, "] = ", pp[i], " is outside the cache's ",
                 k_cache.size(0));
   const at::Tensor qb = q_in.contiguous().to(at::kBFloat16);
-  const Packed kv = cache_dtype == at::kFloat
-                        ? pack(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), pp, kv_len, P, KVH, D)
-                        : pack(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), pp, kv_len, P, KVH, D);
+  Packed kv;
+  tandem_vec8::dispatch(cache_dtype, [&]<typename C>() {
+    kv = pack(k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), pp, kv_len, P, KVH, D);
+  });
   auto out = at::empty({T, H, D}, q_in.options());
   const int64_t groups = (T + kRows - 1) / kRows, G = H / KVH, start = kv_len - T;
   const auto* q16 = reinterpret_cast<const uint16_t*>(qb.data_ptr<at::BFloat16>());
