@@ -70,11 +70,12 @@ FROM ${PY_IMAGE} AS cpu-runtime
 ARG DEBIAN_FRONTEND=noninteractive
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Mooncake's non-CUDA engine loads libibverbs, libnuma and libcurl (tandem's kernels link libgomp.so.1,
-# which torch brings and loads first). Package versions are left to the base image's Debian release.
+# which torch brings and loads first); `tandem serve` preloads tcmalloc (--allocator auto). Package
+# versions are left to the base image's Debian release.
 # /cache is HOME and XDG_CACHE_HOME (tandem's caches); pods mount an emptyDir on it.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 \
+ && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 libtcmalloc-minimal4 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 tandem \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /cache --shell /usr/sbin/nologin tandem \

@@ -513,6 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command == "serve":  # this process's own command line, so it may re-execute
+        from tandem.server.edge.allocator import preload
+
+        try:
+            preload(args.allocator, args.device)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return args.func(args)
 
 

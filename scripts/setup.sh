@@ -5,10 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian libraries the Mooncake transfer engine (non-CUDA wheel) needs at import time, the
-# Prometheus server the dashboard test scrapes a local stack with, and the C++ compiler that builds
-# tandem's CPU kernels (kernels/csrc).
+# Prometheus server the dashboard test scrapes a local stack with, the C++ compiler that builds
+# tandem's CPU kernels (kernels/csrc), and tcmalloc, which CPU servers preload (--allocator).
 missing=()
-for pkg in libibverbs1 libnuma1 prometheus g++; do
+for pkg in libibverbs1 libnuma1 prometheus g++ libtcmalloc-minimal4; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

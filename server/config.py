@@ -203,6 +203,10 @@ class ServeConfig:
                                      "(renewed files are picked up without a restart)")
     tls_key: str | None = opt(None, "PEM private key of --tls-cert")
     tls_ca: str | None = opt(None, "PEM CA bundle: clients must present a certificate it signed (mutual TLS)")
+    allocator: Literal["auto", "tcmalloc", "system"] = opt(
+        "auto", "malloc of the server process: tcmalloc (preloaded: `tandem serve` re-executes itself once) or "
+                "the system's; auto: tcmalloc on a CPU server where libtcmalloc-minimal4 is installed"
+    )
 
     def validate(self) -> None:
         if not 0 < self.port < 65536 or not 0 < self.metrics_port < 65536 or self.port == self.metrics_port:

@@ -16,3 +16,19 @@ def quiet_native_logs() -> None:
     """Mooncake logs through glog from INFO up; keep its warnings and errors unless the
     environment already says otherwise. Call before importing `mooncake`."""
     os.environ.setdefault("GLOG_minloglevel", "1")
+
+
+PRELOADED_ALLOCATOR = "TANDEM_PRELOADED_ALLOCATOR"
+
+
+def preloaded_allocator() -> str | None:
+    """TANDEM_PRELOADED_ALLOCATOR: the malloc library `tandem serve` preloaded when it re-executed
+    itself (edge/allocator.py); set only in the re-executed process."""
+    return os.environ.get(PRELOADED_ALLOCATOR)
+
+
+def with_preload(library: str) -> dict[str, str]:
+    """This process's environment with `library` first in LD_PRELOAD (what the caller preloaded
+    kept after it) and TANDEM_PRELOADED_ALLOCATOR naming it: the re-execution's environment."""
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    return {**os.environ, PRELOADED_ALLOCATOR: library, "LD_PRELOAD": f"{library}:{preloaded}" if preloaded else library}

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.server.config import DisaggConfig, EngineConfig, ServeConfig
+from tandem.server.edge.allocator import describe as describe_allocator
 from tandem.server.edge.tls import ServerCertificates, bind
 
 log = logging.getLogger("tandem.serve")
@@ -48,6 +49,7 @@ class Server:
         from tandem.server.model.tokenizer import tokenizer_dir
 
         config.validate()
+        log.info("memory allocator: %s", describe_allocator(config.allocator, engine_config.device))
         disagg = disagg or DisaggConfig()
         self.config = config
         self.state = ServingState()

@@ -8,9 +8,11 @@ import hashlib
 import io
 import json
 import math
+import re
 import threading
 import time
 import zipfile
+from pathlib import Path
 
 import grpc
 import pytest
@@ -244,6 +246,13 @@ def test_health_and_info(server, stub):
     assert args["max_prefill_tokens"] == 256  # unset: resolved for a CPU, and reported as resolved
     load = stub.GetLoads(pb.GetLoadsRequest(include=["all"]))
     assert load.dp_rank_count == 1 and load.loads[0].max_total_num_tokens == POOL
+
+
+def test_a_cpu_server_runs_on_tcmalloc(server):
+    """`tandem serve` re-executed itself (same pid) with tcmalloc preloaded, and says so."""
+    assert "libtcmalloc_minimal.so.4" in Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert re.search(r"memory allocator: tcmalloc \(\S+libtcmalloc_minimal\.so\.4; auto: a CPU server",
+                     server.log_path.read_text())
 
 
 def test_get_tokenizer_streams_a_zip(stub):

@@ -167,6 +167,13 @@ def test_servers_size_themselves_from_the_container_limits(stack):
         REPORT[f"{pool} KV pool"] = f"{tokens} tokens from {available:.2f} GiB left by the {MEMORY} limit (host: {host:.1f} GiB)"
 
 
+def test_servers_run_on_tcmalloc(stack):
+    """The image installs libtcmalloc-minimal4 and `tandem serve` preloads it (--allocator auto, a CPU)."""
+    for pool in POOLS:
+        log = stack.pods[pool].logs()
+        assert re.search(r"memory allocator: tcmalloc \(/usr/lib/\S+/libtcmalloc_minimal\.so\.4; auto: ", log), log[-3000:]
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_restarted_server_serves_again(stack, role):
     pod = stack.pods[role]
