@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tandem.server.config import ServeConfig
-from tandem.server.edge import allocator
-from tandem.server.edge.allocator import TCMALLOC, choose, find_tcmalloc
+from tandem.server.edge.allocator import LIBRARY_DIRS, TCMALLOC, choose, describe, find_tcmalloc
 from tandem.server.env import PRELOADED_ALLOCATOR as MARKER
 
 LIB = f"/usr/lib/x86_64-linux-gnu/{TCMALLOC}"
@@ -74,12 +74,10 @@ def test_a_cpu_server_re_executes_itself_once_with_tcmalloc_preloaded():
     assert out == ["True", library, library]
 
 
-def test_an_ld_preload_the_caller_set_is_kept_after_tcmalloc(tmp_path):
+def test_an_ld_preload_the_caller_set_is_kept_after_tcmalloc():
     library = find_tcmalloc()
     assert library is not None, f"{TCMALLOC} is missing: scripts/setup.sh installs libtcmalloc-minimal4"
-    other = subprocess.run([sys.executable, "-c", "import ctypes.util; print(ctypes.util.find_library('m'))"],
-                           capture_output=True, text=True, check=True).stdout.strip()
-    libm = next(p for d in allocator.LIBRARY_DIRS if os.path.exists(p := os.path.join(d, other)))
+    libm = next(str(p) for d in LIBRARY_DIRS if (p := Path(d) / "libm.so.6").exists())
     out, runs = run("auto", LD_PRELOAD=libm)
     assert runs == 2
     assert out == ["True", library, f"{library}:{libm}"]
@@ -89,6 +87,12 @@ def test_system_malloc_means_no_re_execution():
     out, runs = run("system")
     assert runs == 1
     assert out == ["False", "None", "None"]
+
+
+def test_the_log_line_says_which_malloc_and_why():
+    """In this process, which nothing preloaded."""
+    assert describe("system", "cpu") == "the system's (--allocator system)"
+    assert describe("auto", "cuda").startswith("the system's (auto: the device is not a CPU (--device cuda)")
 
 
 def test_a_preload_that_did_not_take_is_not_retried(tmp_path):
