@@ -33,10 +33,10 @@ def find_tcmalloc(dirs: tuple[str, ...] = LIBRARY_DIRS) -> str | None:
     return None
 
 
-def mapped_tcmalloc(maps: str = "/proc/self/maps") -> bool:
+def mapped_tcmalloc() -> bool:
     """Whether tcmalloc is loaded into this process (preloaded, it is malloc)."""
     try:
-        return "libtcmalloc" in Path(maps).read_text()
+        return "libtcmalloc" in Path("/proc/self/maps").read_text()
     except OSError:
         return False
 
@@ -81,5 +81,5 @@ def describe(allocator: str, device: str) -> str:
     if mapped_tcmalloc():
         return f"tcmalloc ({preloaded_allocator() or 'preloaded by the environment'}; {why})"
     if library is not None:
-        return f"the system's: preloading {library} did not take ({why})"
+        return f"the system's: {library} is not preloaded ({why})"
     return f"the system's ({why})"
