@@ -91,11 +91,14 @@ def run_and_compare(engine, workload: list[tuple], label: str, tolerance: float 
     """Every prompt of `workload` (reference_workload()) submitted to `engine` at once, greedy with
     EOS ignored, for as many tokens as the reference has; each finishes by length with the
     reference's tokens up to a near tie below `tolerance` (assert_matches_reference). Returns the
-    results in workload order."""
+    results in workload order. "At once": from the loop's own thread between two steps, so that its
+    next step sees them all (submitted from here, the loop could start on the first before the last
+    arrived, and a schedule a test sized its pool for, to retract, would depend on the machine)."""
     from tandem.server.scheduling.sampling_params import SamplingParams
 
-    streams = [engine.submit(p, SamplingParams(max_new_tokens=len(want), temperature=0.0, ignore_eos=True))
-               for p, want, _ in workload]
+    streams = engine.call(lambda: [
+        engine.submit(p, SamplingParams(max_new_tokens=len(want), temperature=0.0, ignore_eos=True))
+        for p, want, _ in workload])
     results = [s.result() for s in streams]
     for i, (r, (p, want, gaps)) in enumerate(zip(results, workload)):
         assert r.finish_reason == "length", f"{label} prompt {i}: {r.finish_reason} {r.error}"
