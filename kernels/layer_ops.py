@@ -8,6 +8,11 @@ round as the torch code does (rotary embedding, SiLU products and residual adds 
 either dtype); RMSNorm sums its squares in another order, so its output may differ in the last bit.
 On CUDA, bfloat16 and float16 tensors take `triton_ops`' kernels, which round the same way (their
 exp and rsqrt may differ from torch's in the last bit too); float32 keeps torch's ops there.
+
+`out_dtype` (norms and SiLU products) rounds a result once to another dtype, and `add_rms_norm` takes
+a bfloat16 delta beside a float32 residual stream: what a float32 model's prompt pieces hand between
+their bfloat16 products (`DecoderLayer`), the values the float32 tensors would have had rounded on
+their way into each product, without the copies.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def cuda_kernels(x: torch.Tensor, *others: torch.Tensor):
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+_NATIVE_OUT = (None, *_NATIVE_DTYPES)  # the out_dtype values the native calls take
 
 
 def _native(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -72,27 +78,31 @@ def native_kernels(x: torch.Tensor) -> bool:
     return _native(x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, n]."""
-    if _native(x, weight) and x.shape[-1] % 8 == 0:
-        return torch.ops.tandem.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [T, n]; the result rounded to `out_dtype` where given."""
+    if _native(x, weight) and x.shape[-1] % 8 == 0 and out_dtype in _NATIVE_OUT:
+        return torch.ops.tandem.rms_norm(x, weight, eps, out_dtype)
     fused = cuda_kernels(x, weight)
-    if fused is not None and fused.takes_rows(x):
+    if fused is not None and fused.takes_rows(x) and out_dtype is None:
         return fused.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    out = weight * xf.to(x.dtype)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, rms_norm(h + delta)); h may be updated in place."""
-    if _native(h, delta, weight) and h.shape[-1] % 8 == 0:
-        return h, torch.ops.tandem.add_rms_norm_(h, delta, weight, eps)
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)); h may be updated in place. delta: h's dtype, or bfloat16
+    beside a float32 h (widened); the norm rounded to `out_dtype` where given."""
+    widened = h.dtype == torch.float32 and delta.dtype == torch.bfloat16
+    if _native(h, weight) and (delta.dtype == h.dtype or widened) and h.shape[-1] % 8 == 0 and out_dtype in _NATIVE_OUT:
+        return h, torch.ops.tandem.add_rms_norm_(h, delta, weight, eps, out_dtype)
     fused = cuda_kernels(h, delta, weight)
-    if fused is not None and fused.takes_rows(h) and fused.takes_rows(delta):
+    if fused is not None and fused.takes_rows(h) and fused.takes_rows(delta) and out_dtype is None:
         return h, fused.rms_norm(h, weight, eps, delta)
-    h = h + delta
-    return h, rms_norm(h, weight, eps)
+    h = h + delta.to(h.dtype)
+    return h, rms_norm(h, weight, eps, out_dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,13 +118,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2F] = [gate | up] -> silu(gate) * up."""
-    if _native(gate_up) and gate_up.stride(-1) == 1 and gate_up.shape[-1] % 16 == 0:
-        return torch.ops.tandem.silu_mul(gate_up)
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, 2F] = [gate | up] -> silu(gate) * up, computed in gate_up's dtype; with `out_dtype`, in
+    float32 from gate_up's values and rounded once to out_dtype."""
+    if _native(gate_up) and gate_up.stride(-1) == 1 and gate_up.shape[-1] % 16 == 0 and out_dtype in _NATIVE_OUT:
+        return torch.ops.tandem.silu_mul(gate_up, out_dtype)
     fused = cuda_kernels(gate_up)
-    if fused is not None and fused.takes_rows(gate_up):
+    if fused is not None and fused.takes_rows(gate_up) and out_dtype is None:
         return fused.silu_mul(gate_up)
+    if out_dtype is not None:
+        return silu_mul(gate_up.float()).to(out_dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -103,7 +103,14 @@ class Linear:
             return self.prefill.streamed_bytes(rows)
         return self.weight.numel() * self.weight.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def prefill_dtype_for(self, rows: int) -> torch.dtype | None:
+        """The dtype a product over `rows` rows rounds its input to and runs in, where that is the
+        prefill dtype (above BLOCK_MAX_ROWS rows); else None."""
+        return self.prefill.weight.dtype if self.prefill is not None and rows > BLOCK_MAX_ROWS else None
+
+    def __call__(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        """x @ W.T (+ bias), in float32 where the weight is; `keep`: a product run in the prefill
+        dtype without a bias returns its result in that dtype, not widened to float32."""
         rows = x.shape[0]
         if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
             if self.bfloat16_blocks and rows >= BFLOAT16_MIN_ROWS:
@@ -116,8 +123,10 @@ class Linear:
                 y = block_gemm(x, self.blocks)
             return y if self.bias is None else y + self.bias
         if self.prefill is not None and rows > BLOCK_MAX_ROWS:
-            y = self.prefill(x.to(self.prefill.weight.dtype)).float()
-            return y if self.bias is None else y + self.bias
+            y = self.prefill(x.to(self.prefill.weight.dtype))
+            if self.bias is None:
+                return y if keep else y.float()
+            return y.float() + self.bias
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.kind == "transposed":

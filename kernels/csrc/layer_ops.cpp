@@ -9,6 +9,12 @@
 // vectorized silu calls. On bfloat16 tensors torch does each op's math in float32 and rounds its
 // result to bfloat16; these kernels round (round8<T>) at the same points. The one difference is
 // the order in which RMSNorm sums its squares.
+//
+// Between the bfloat16 products of a float32 model's prompt pieces (`Linear`'s prefill_dtype), the
+// calls also hand bfloat16 to each other: a norm's float32 result rounded once to `out_dtype` (what
+// `.to(torch.bfloat16)` of it gives), a bfloat16 delta added to a float32 residual stream (widened,
+// which is exact), and SiLU products computed in float32 from bfloat16 values and rounded once: the
+// roundings the float32 tensors got on their way into each product, without the copies.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "vec8.h"
 
@@ -47,9 +54,10 @@ void check_norm(const at::Tensor& x, const char* name, const at::Tensor& weight,
               "weight must be ", dtype_name(x), " [", n, "]");
 }
 
-// out = weight * (x * (1 / sqrt(mean(x^2) + eps))) for one row of n (a multiple of 8).
-template <typename T>
-void norm_row(const T* x, const T* weight, float eps, int64_t n, T* out) {
+// out = weight * (x * (1 / sqrt(mean(x^2) + eps))) for one row of n (a multiple of 8), computed as
+// torch computes it in T and rounded to O.
+template <typename T, typename O>
+void norm_row(const T* x, const T* weight, float eps, int64_t n, O* out) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -71,28 +79,29 @@ void norm_row(const T* x, const T* weight, float eps, int64_t n, T* out) {
     store8(out + j, _mm256_mul_ps(load8(weight + j), round8<T>(_mm256_mul_ps(load8(x + j), r))));
 }
 
-template <typename T>
+template <typename T, typename O>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps, at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row(xp + t * ld, wp, eps, n, op + t * n);
   });
 }
 
-template <typename T>
+// Delta of type D: T's own, or bfloat16 beside a float32 h (widened as it is read).
+template <typename T, typename D, typename O>
 void add_rms_norm_rows(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, float eps, at::Tensor& out) {
   const int64_t rows = h.size(0), n = h.size(1), hld = h.stride(0), dld = delta.stride(0);
   T* hp = h.data_ptr<T>();
-  const T* dp = delta.data_ptr<T>();
+  const D* dp = delta.data_ptr<D>();
   const T* wp = weight.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* ht = hp + t * hld;
-      const T* dt = dp + t * dld;
+      const D* dt = dp + t * dld;
       for (int64_t j = 0; j < n; j += 8) store8(ht + j, _mm256_add_ps(load8(ht + j), load8(dt + j)));
       norm_row(ht, wp, eps, n, op + t * n);
     }
@@ -124,11 +133,12 @@ void rope_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-template <typename T>
+// Values of type T, math rounded as torch rounds it in M (T, or float32), the result stored as O.
+template <typename T, typename M, typename O>
 void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), F = gate_up.size(1) / 2, ld = gate_up.stride(0);
   const T* gp = gate_up.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
   at::parallel_for(0, rows, grain(2 * F), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -137,32 +147,52 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       for (int64_t j = 0; j < F; j += 8) {
         const __m256 x = load8(g + j);
         const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(x, sign));
-        const __m256 silu = round8<T>(_mm256_div_ps(x, _mm256_add_ps(one, e)));
+        const __m256 silu = round8<M>(_mm256_div_ps(x, _mm256_add_ps(one, e)));
         store8(op + t * F + j, _mm256_mul_ps(silu, load8(u + j)));
       }
     }
   });
 }
 
+// The dtype a result is stored in: `out_dtype` where given (float32 or bfloat16), else `own`.
+at::ScalarType result_dtype(std::optional<at::ScalarType> out_dtype, at::ScalarType own, const char* op) {
+  TORCH_CHECK(!out_dtype || float_or_bf16(*out_dtype), op, ": out_dtype must be float32 or bfloat16, got ",
+              c10::toString(*out_dtype));
+  return out_dtype.value_or(own);
+}
+
 }  // namespace
 
-// RMSNorm of each row of x [rows, n] (HF's LlamaRMSNorm).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// RMSNorm of each row of x [rows, n] (HF's LlamaRMSNorm), rounded to out_dtype where given.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
   check_norm(x, "x", weight, "rms_norm");
-  auto out = at::empty({x.size(0), x.size(1)}, x.options());
-  dispatch(x.scalar_type(), [&]<typename T>() { rms_norm_rows<T>(x, weight, static_cast<float>(eps), out); });
+  const auto stored = result_dtype(out_dtype, x.scalar_type(), "rms_norm");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options().dtype(stored));
+  dispatch(stored, [&]<typename O>() {
+    dispatch(x.scalar_type(), [&]<typename T>() { rms_norm_rows<T, O>(x, weight, static_cast<float>(eps), out); });
+  });
   return out;
 }
 
-// h += delta (the residual stream), then RMSNorm of the new h.
-at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+// h += delta (the residual stream; delta in h's dtype, or bfloat16 beside a float32 h), then RMSNorm
+// of the new h, rounded to out_dtype where given.
+at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, double eps,
+                         std::optional<at::ScalarType> out_dtype) {
   check_norm(h, "h", weight, "add_rms_norm_");
   check_rows(delta, "delta");
-  TORCH_CHECK(h.sizes() == delta.sizes() && h.scalar_type() == delta.scalar_type(),
-              "h and delta must have the same shape and dtype, got ", dtype_name(h), " ", h.sizes(), " and ",
-              dtype_name(delta), " ", delta.sizes());
-  auto out = at::empty({h.size(0), h.size(1)}, h.options());
-  dispatch(h.scalar_type(), [&]<typename T>() { add_rms_norm_rows<T>(h, delta, weight, static_cast<float>(eps), out); });
+  const bool widened = h.scalar_type() == at::kFloat && delta.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(h.sizes() == delta.sizes() && (h.scalar_type() == delta.scalar_type() || widened),
+              "h and delta must have the same shape and dtype (or a bfloat16 delta beside a float32 h), got ",
+              dtype_name(h), " ", h.sizes(), " and ", dtype_name(delta), " ", delta.sizes());
+  const auto stored = result_dtype(out_dtype, h.scalar_type(), "add_rms_norm_");
+  auto out = at::empty({h.size(0), h.size(1)}, h.options().dtype(stored));
+  const float e = static_cast<float>(eps);
+  dispatch(stored, [&]<typename O>() {
+    if (widened)
+      add_rms_norm_rows<float, c10::BFloat16, O>(h, delta, weight, e, out);
+    else
+      dispatch(h.scalar_type(), [&]<typename T>() { add_rms_norm_rows<T, T, O>(h, delta, weight, e, out); });
+  });
   return out;
 }
 
@@ -179,22 +209,30 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   dispatch(x.scalar_type(), [&]<typename T>() { rope_rows<T>(x, cos, sin); });
 }
 
-// gate_up [rows, 2F] = [gate | up] -> silu(gate) * up, silu(g) = g / (1 + e^-g) as torch computes it.
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// gate_up [rows, 2F] = [gate | up] -> silu(gate) * up, silu(g) = g / (1 + e^-g) as torch computes it
+// in gate_up's dtype; with out_dtype, as torch computes it in float32 from gate_up's values, rounded
+// once to out_dtype.
+at::Tensor silu_mul(const at::Tensor& gate_up, std::optional<at::ScalarType> out_dtype) {
   check_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), F = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * F && F % 8 == 0, "gate_up must have 2F columns, F a multiple of 8, got ",
               gate_up.size(1));
-  auto out = at::empty({rows, F}, gate_up.options());
-  dispatch(gate_up.scalar_type(), [&]<typename T>() { silu_mul_rows<T>(gate_up, out); });
+  const auto stored = result_dtype(out_dtype, gate_up.scalar_type(), "silu_mul");
+  auto out = at::empty({rows, F}, gate_up.options().dtype(stored));
+  dispatch(gate_up.scalar_type(), [&]<typename T>() {
+    if (!out_dtype)
+      silu_mul_rows<T, T, T>(gate_up, out);
+    else
+      dispatch(stored, [&]<typename O>() { silu_mul_rows<T, float, O>(gate_up, out); });
+  });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor weight, float eps, ScalarType? out_dtype=None) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("silu_mul(Tensor gate_up, ScalarType? out_dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {

@@ -145,6 +145,14 @@ class DecoderLayer(nn.Module):
         # The whole layer in one native call at decode steps, where it is a plain Llama layer on one rank
         plain = (self.mla is None and self.moe is None and self.act is silu_mul and all_reduce is None
                  and not config.sandwich_norms and not config.qk_norm)
+        # Where a pass's products run in the prefill dtype (a float32 model's prompt pieces), the steps
+        # between them hand it to each other (`layer_ops`' out_dtype): the same values as float32 tensors
+        # rounded on their way into each product, without the copies. Its qkv products stay float32
+        # (RoPE and q/k norms compute in float32).
+        projections = (self.qkv, self.o, self.gate_up, self.down) if self.mla is None and self.moe is None else ()
+        self.narrow = (bool(projections) and self.act is silu_mul and all_reduce is None and not config.sandwich_norms
+                       and all(p.prefill is not None for p in projections)
+                       and all(p.bias is None for p in projections[1:]))
         self.fused = FusedDecodeLayer.build(self.input_norm, self.mlp_norm, config.rms_norm_eps,
                                             (self.qkv, self.o, self.gate_up, self.down), config.num_heads,
                                             config.num_kv_heads) if plain else None
@@ -159,21 +167,27 @@ class DecoderLayer(nn.Module):
             if out is not None:
                 return h, out
         c = self.config
+        narrow = self.qkv.prefill_dtype_for(h.shape[0]) if self.narrow else None
         if delta is None:
-            x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+            x = rms_norm(h, self.input_norm, c.rms_norm_eps, narrow)
         else:
-            h, x = add_rms_norm(h, delta, self.input_norm, c.rms_norm_eps)
-        o = self.all_reduce(self.attention(x, cos, sin, attn))
+            h, x = add_rms_norm(h, delta, self.input_norm, c.rms_norm_eps, narrow)
+        o = self.all_reduce(self.attention(x, cos, sin, attn, keep=narrow is not None))
         if c.sandwich_norms:
             o = rms_norm(o, self.attn_out_norm, c.rms_norm_eps)
-        h, x = add_rms_norm(h, o, self.mlp_norm, c.rms_norm_eps)
-        mlp = self.all_reduce(self.moe(x) if self.moe is not None else self.down(self.act(self.gate_up(x))))
+        h, x = add_rms_norm(h, o, self.mlp_norm, c.rms_norm_eps, narrow)
+        if narrow is not None:
+            mlp = self.down(silu_mul(self.gate_up(x, keep=True), narrow), keep=True)
+        else:
+            mlp = self.all_reduce(self.moe(x) if self.moe is not None else self.down(self.act(self.gate_up(x))))
         if c.sandwich_norms:
             mlp = rms_norm(mlp, self.mlp_out_norm, c.rms_norm_eps)
         return h, mlp
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """This rank's share of the attention's output (before the all-reduce)."""
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                  keep: bool = False) -> torch.Tensor:
+        """This rank's share of the attention's output (before the all-reduce); `keep`: as `Linear`'s,
+        for the o projection."""
         c = self.config
         if self.mla is not None:
             return self.mla(self.index, x, cos, sin, attn)
@@ -192,7 +206,7 @@ class DecoderLayer(nn.Module):
             if o is None:
                 q, k = apply_rope(qk, cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)
                 o = attn.forward(self.index, q, k, v)
-        return self.o(o.reshape(-1, c.q_size))
+        return self.o(o.reshape(-1, c.q_size), keep=keep)
 
     def streamed_bytes(self, rows: int) -> int:
         mlp = self.moe.streamed_bytes(rows) if self.moe is not None else (

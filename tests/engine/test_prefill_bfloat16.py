@@ -18,6 +18,7 @@ import torch
 from support.checks import assert_greedy_matches_reference
 from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
+from tandem.kernels import layer_ops
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS
 
@@ -39,6 +40,37 @@ def test_every_projection_over_eight_rows_is_bfloat16(smollm_bf16_prefill):
     module = smollm_bf16_prefill.module
     linears = [module.lm_head] + [getattr(layer, n) for layer in module.layers for n in ("qkv", "o", "gate_up", "down")]
     assert all(linear.prefill is not None and linear.prefill.weight.dtype == torch.bfloat16 for linear in linears)
+
+
+def test_prompt_steps_hand_bfloat16_between_the_products_without_changing_a_bit(smollm_bf16_prefill, monkeypatch):
+    """Between a prompt piece's bfloat16 products, the norms and SiLU products hand over bfloat16 and
+    the o and down products their bfloat16 results (`DecoderLayer.narrow`): the same logits, bit for
+    bit, as float32 tensors rounded on their way into each product. Decode-sized pieces stay float32."""
+    from tandem.server.model import llama
+
+    module = smollm_bf16_prefill.module
+    assert all(layer.narrow for layer in module.layers)
+    ids = prompts(smollm_bf16_prefill.tokenizer)[5]
+    assert len(ids) > BLOCK_MAX_ROWS
+    handed = []  # what each layer's SiLU products were rounded to
+
+    def silu_mul(gate_up, out_dtype=None):
+        handed.append((gate_up.dtype, out_dtype))
+        return layer_ops.silu_mul(gate_up, out_dtype)
+
+    monkeypatch.setattr(llama, "silu_mul", silu_mul)
+    narrow = teacher_forced_logits(smollm_bf16_prefill, ids, decode_steps=2)
+    layers = len(module.layers)  # the prompt piece in bfloat16; decode steps (fused where they can be) in float32
+    assert handed[:layers] == [(torch.bfloat16, torch.bfloat16)] * layers
+    assert all(out_dtype is None for _, out_dtype in handed[layers:])
+    try:
+        for layer in module.layers:
+            layer.narrow = False
+        wide = teacher_forced_logits(smollm_bf16_prefill, ids, decode_steps=2)
+    finally:
+        for layer in module.layers:
+            layer.narrow = True
+    assert torch.equal(narrow, wide)
 
 
 def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16_prefill, hf_reference):

@@ -92,6 +92,32 @@ def test_rms_norm_and_the_residual_add_against_torch(rows, dtype, native):
     torch.testing.assert_close(x, torch_rms_norm(want_h, weight, 1e-5), **close)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_bfloat16_between_float32_steps_is_the_float32_result_rounded(rows, native):
+    """What a float32 model's prompt pieces hand between their bfloat16 products: a norm rounded once
+    to bfloat16 equals the float32 norm's `.to(torch.bfloat16)`, a bfloat16 delta added to a float32
+    residual stream equals the widened delta added, and SiLU products from bfloat16 values in float32
+    math, rounded once, equal the float32 products of the widened values rounded; bit for bit, so
+    the prompt pass is the same with and without the copies."""
+    torch.manual_seed(rows)
+    h, weight = torch.randn(rows, HIDDEN) * 3, torch.randn(HIDDEN)
+    delta = torch.randn(rows, HIDDEN).bfloat16()
+    out = layer_ops.rms_norm(h, weight, 1e-5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, layer_ops.rms_norm(h, weight, 1e-5).bfloat16())
+    want_h, want_x = layer_ops.add_rms_norm(h.clone(), delta.float(), weight, 1e-5)
+    got_h, got_x = layer_ops.add_rms_norm(h.clone(), delta, weight, 1e-5, torch.bfloat16)
+    assert torch.equal(got_h, want_h) and got_x.dtype == torch.bfloat16 and torch.equal(got_x, want_x.bfloat16())
+    _, same_x = layer_ops.add_rms_norm(h.clone(), delta, weight, 1e-5)  # float32 out, as h
+    assert same_x.dtype == torch.float32 and torch.equal(same_x, want_x)
+    gate_up = (torch.randn(rows, 2 * MLP) * 4).bfloat16()
+    got = layer_ops.silu_mul(gate_up, torch.bfloat16)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = (F.silu(gate) * up).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(got, layer_ops.silu_mul(gate_up))  # bfloat16 math rounds the SiLU apart too
+    assert torch.equal(layer_ops.silu_mul(gate_up.float(), torch.float32), F.silu(gate) * up)
+
+
 def test_other_dtypes_and_shapes_keep_the_torch_code(monkeypatch):
     """float16 math, mixed dtypes, and head dims the native rope does not take, go through torch
     unchanged."""
@@ -120,8 +146,14 @@ def test_native_ops_name_what_is_wrong():
         torch.ops.tandem.rms_norm(torch.zeros(2, 16).half(), torch.zeros(16).half(), 1e-5)
     with pytest.raises(RuntimeError, match=r"h and delta must have the same shape"):
         torch.ops.tandem.add_rms_norm_(torch.zeros(2, 16), torch.zeros(3, 16), torch.zeros(16), 1e-5)
-    with pytest.raises(RuntimeError, match=r"same shape and dtype, got float32 \[2, 16\] and bfloat16 \[2, 16\]"):
-        torch.ops.tandem.add_rms_norm_(torch.zeros(2, 16), torch.zeros(2, 16).bfloat16(), torch.zeros(16), 1e-5)
+    with pytest.raises(RuntimeError, match=r"same shape and dtype \(or a bfloat16 delta beside a float32 h\), got "
+                                           r"bfloat16 \[2, 16\] and float32 \[2, 16\]"):
+        torch.ops.tandem.add_rms_norm_(torch.zeros(2, 16).bfloat16(), torch.zeros(2, 16), torch.zeros(16).bfloat16(),
+                                       1e-5)
+    with pytest.raises(RuntimeError, match=r"rms_norm: out_dtype must be float32 or bfloat16, got Half"):
+        torch.ops.tandem.rms_norm(torch.zeros(2, 16), torch.zeros(16), 1e-5, torch.float16)
+    with pytest.raises(RuntimeError, match=r"silu_mul: out_dtype must be float32 or bfloat16, got Half"):
+        torch.ops.tandem.silu_mul(torch.zeros(2, 32), torch.float16)
     with pytest.raises(RuntimeError, match=r"rope_ needs a head_dim that is a multiple of 16, got 24"):
         torch.ops.tandem.rope_(torch.zeros(2, 1, 24), torch.zeros(2, 24), torch.zeros(2, 24))
     with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 with tokens \* head_dim = 32"):
