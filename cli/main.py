@@ -464,6 +464,9 @@ def _add_bench_peers(bench_sub: argparse._SubParsersAction) -> None:
     bpeers.add_argument("--repeats", type=int, default=1,
                         help="runs of the whole workload per system, back to back on one server: the table gives "
                              "their medians and their spread")
+    bpeers.add_argument("--interleave", action="store_true",
+                        help="start every server first, then run the systems in turn, repeat by repeat: each "
+                             "repeat's figures from the same minutes of the machine")
     bpeers.add_argument("--variant", action="append", metavar="LABEL=FLAGS",
                         help="also tandem colocated with these serve flags, as 'tandem LABEL' (repeatable)")
     bpeers.add_argument("--skip-vllm", action="store_true", help="no vLLM runs")

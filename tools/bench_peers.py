@@ -22,7 +22,11 @@ gives every figure and its ratio to the best peer's (vLLM's or llama.cpp's). Wit
 each system runs the workload N times back to back on one server, each time with new prompts (as
 `--rounds` does: no prefix-cache hits); the table gives the medians, and a second table each
 figure's spread over the repeats, with what one core computed just before each repeat (a matmul's
-GFLOP/s): on a shared host the machine itself speeds up and slows down.
+GFLOP/s): on a shared host the machine itself speeds up and slows down. With `--interleave`, every
+server is started first and the systems take turns, repeat by repeat (each alone on a quiet CPU,
+the others idle beside it), so that each repeat's figures come from the same minutes of the
+machine's drift; the table then also gives each system's tokens/s over the best peer's in the same
+repeat.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 from tandem.server.edge.allocator import TCMALLOC, find_tcmalloc
 from tandem.tools.bench_offline import make_workload
@@ -261,63 +267,90 @@ def run(args, engine_args: list[str]) -> int:
                "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
     print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
 
-    results: dict[str, list[dict]] = {}
-
-    def record(name: str, target: str, model_name: str) -> None:
-        results[name] = []
-        for repeat in range(args.repeats):
-            speed = round(core_gflops(), 1)
-            works, work_c1 = workloads(repeat)
-            results[name].append({**measure(target, model_name, tokenizer, works, work_c1, args.concurrency),
-                                  "core_gflops": speed})
-            print(json.dumps({"bench": "peers", "system": name, "repeat": repeat, **results[name][-1]}), flush=True)
-
+    # Each system as a launcher: it starts the server(s) under the ExitStack given (which stops them),
+    # waits until they answer, and returns the address to drive and the model's name there.
+    launchers: list[tuple[str, Callable[[ExitStack], tuple[str, str]]]] = []
     if not args.skip_vllm:
         python = ensure_vllm(home)
         model_dir = export_hf(args.model, home / "smollm2-hf")
-        for dtype in args.vllm_dtype or ["bfloat16", "float32"]:
-            name = f"vLLM {dtype}"
-            wait_cpu_quiet()
-            port, log_path = free_port(), logs / f"vllm-{dtype}.log"
-            proc = start_vllm(python, model_dir, dtype, threads, port, log_path)
-            try:
+
+        def vllm(dtype: str) -> Callable[[ExitStack], tuple[str, str]]:
+            def launch(servers: ExitStack) -> tuple[str, str]:
+                port, log_path = free_port(), logs / f"vllm-{dtype}.log"
+                proc = start_vllm(python, model_dir, dtype, threads, port, log_path)
+                servers.callback(stop, proc)
                 wait_http_ready(f"http://127.0.0.1:{port}/v1/models", proc, log_path)
-                record(name, f"127.0.0.1:{port}", "smollm2")
-            finally:
-                stop(proc)
+                return f"127.0.0.1:{port}", "smollm2"
+            return launch
+
+        launchers += [(f"vLLM {dtype}", vllm(dtype)) for dtype in args.vllm_dtype or ["bfloat16", "float32"]]
 
     source = resolve_model(args.model)
     if not args.skip_llama_cpp and source.kind == "gguf":
         from tandem.tools.llama_cpp import ensure_llama_server, start_llama_server
 
         binary = ensure_llama_server(home, runnable_flags())
-        wait_cpu_quiet()
-        port, log_path = free_port(), logs / "llama-server.log"
-        slot_context = args.prompt_len[1] + args.output_len[1] + 64
-        proc = start_llama_server(binary, source.path, threads, args.concurrency, slot_context, port, log_path)
-        try:
-            wait_http_ready(f"http://127.0.0.1:{port}/health", proc, log_path)
-            record("llama.cpp", f"127.0.0.1:{port}", "smollm2")
-        finally:
-            stop(proc)
 
-    systems = [("tandem", ["colocated"], ())]
-    for variant in args.variant or []:
-        label, _, flags = variant.partition("=")
-        systems.append((f"tandem {label}", ["colocated"], tuple(shlex.split(flags))))
-    if not args.skip_pd:
-        systems.append(("tandem 1P+1D", ["prefill", "decode"], ()))
-    for name, roles, flags in systems:
-        wait_cpu_quiet()
-        (logs / name.replace(" ", "-")).mkdir(exist_ok=True)
-        with LocalStack(logs / name.replace(" ", "-"), (*engine_args, *flags)) as stack:
+        def llama_cpp(servers: ExitStack) -> tuple[str, str]:
+            port, log_path = free_port(), logs / "llama-server.log"
+            slot_context = args.prompt_len[1] + args.output_len[1] + 64
+            proc = start_llama_server(binary, source.path, threads, args.concurrency, slot_context, port, log_path)
+            servers.callback(stop, proc)
+            wait_http_ready(f"http://127.0.0.1:{port}/health", proc, log_path)
+            return f"127.0.0.1:{port}", "smollm2"
+
+        launchers.append(("llama.cpp", llama_cpp))
+
+    def tandem(name: str, roles: list[str], flags: tuple[str, ...]) -> Callable[[ExitStack], tuple[str, str]]:
+        def launch(servers: ExitStack) -> tuple[str, str]:
+            (logs / name.replace(" ", "-")).mkdir(exist_ok=True)
+            stack = servers.enter_context(LocalStack(logs / name.replace(" ", "-"), (*engine_args, *flags)))
             stack.start_servers(roles)
             stack.wait()
-            base = stack.start_router().url
-            record(name, base.removeprefix("http://"), stack.model_name)
+            return stack.start_router().url.removeprefix("http://"), stack.model_name
+        return launch
+
+    launchers.append(("tandem", tandem("tandem", ["colocated"], ())))
+    for variant in args.variant or []:
+        label, _, flags = variant.partition("=")
+        launchers.append((f"tandem {label}", tandem(f"tandem {label}", ["colocated"], tuple(shlex.split(flags)))))
+    if not args.skip_pd:
+        launchers.append(("tandem 1P+1D", tandem("tandem 1P+1D", ["prefill", "decode"], ())))
+
+    results: dict[str, list[dict]] = {name: [] for name, _ in launchers}
+
+    def record(name: str, repeat: int, target: str, model_name: str) -> None:
+        wait_cpu_quiet()
+        speed = round(core_gflops(), 1)
+        works, work_c1 = workloads(repeat)
+        results[name].append({**measure(target, model_name, tokenizer, works, work_c1, args.concurrency),
+                              "core_gflops": speed})
+        print(json.dumps({"bench": "peers", "system": name, "repeat": repeat, **results[name][-1]}), flush=True)
+
+    names = [name for name, _ in launchers]
+    if args.interleave:
+        with ExitStack() as servers:
+            targets = {name: launch(servers) for name, launch in launchers}
+            for name, repeat in turns(names, args.repeats, interleave=True):
+                record(name, repeat, *targets[name])
+    else:
+        for name, launch in launchers:
+            wait_cpu_quiet()
+            with ExitStack() as servers:
+                target = launch(servers)
+                for _, repeat in turns([name], args.repeats, interleave=False):
+                    record(name, repeat, *target)
 
     print(table(results, machine, args))
     return 0
+
+
+def turns(names: list[str], repeats: int, interleave: bool) -> list[tuple[str, int]]:
+    """The order of the runs: each system's repeats back to back, or (`interleave`) repeat by
+    repeat, every system in turn."""
+    if interleave:
+        return [(name, repeat) for repeat in range(repeats) for name in names]
+    return [(name, repeat) for name in names for repeat in range(repeats)]
 
 
 PEERS = ("vLLM", "llama.cpp")
@@ -343,6 +376,8 @@ def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
             text += f" ({value / best[key]:.2f}x)"
         return text
 
+    interleaved = getattr(args, "interleave", False)
+    order = "interleaved" if interleaved else "back-to-back"
     lines = [
         f"CPU flags: {' '.join(machine['cpu_flags'])}{f' ({probe})' if (probe := machine.get('isa_probe')) else ''}; "
         f"{machine['cores']} cores; read bandwidth "
@@ -352,7 +387,7 @@ def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
         f"{f' ({args.rounds} rounds of new prompts)' if args.rounds > 1 else ''}, then {args.c1_requests} at "
         f"concurrency 1; prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
         f"{args.output_len[1]} tokens, seed {args.workload_seed}; ratios against the best peer's figure"
-        f"{f'; medians of {args.repeats} back-to-back repeats' if args.repeats > 1 else ''}",
+        f"{f'; medians of {args.repeats} {order} repeats' if args.repeats > 1 else ''}",
         "",
         "| system | output tok/s (c%d) | TTFT p50 | TTFT mean | TPOT p50 (c%d) | TPOT (c1) | TPOT (c1) / floor |" % (
             args.concurrency, args.concurrency),
@@ -379,4 +414,13 @@ def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
                 values = [r[key] for r in repeats]
                 cells.append(f"{min(values):g}-{max(values):g} ({(max(values) - min(values)) / results[name][key]:.0%})")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        if interleaved and peers:
+            lines += ["", "Each repeat's output tok/s (c%d) over the best peer's in the same repeat:" % args.concurrency, ""]
+            for name, repeats in runs.items():
+                if name.startswith(PEERS):
+                    continue
+                paired = [r["tokens_per_s"] / max(runs[p][i]["tokens_per_s"] for p in peers)
+                          for i, r in enumerate(repeats)]
+                lines.append(f"- {name}: " + " / ".join(f"{x:.2f}" for x in paired)
+                             + f" (median {statistics.median(paired):.2f}x)")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ from argparse import Namespace
 
 import pytest
 
-from tandem.tools.bench_peers import cpu_flags, run, table
+from tandem.tools.bench_peers import cpu_flags, run, table, turns
 from tandem.tools.bench_serve import Sample, drive
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
@@ -50,6 +50,25 @@ def test_repeats_give_medians_and_their_spread():
     assert "medians of 3 back-to-back repeats" in text
     spread = [line for line in text.splitlines() if line.startswith("| tandem |")][1]
     assert spread == "| tandem | 80-100 (22%) | 0.4-0.6 (40%) | 30-36 (18%) | 20-25 (25%) |"
+
+
+def test_interleaved_repeats_take_turns_and_are_paired_with_the_peers():
+    """`--interleave`: repeat by repeat, every system in turn (back to back otherwise), and each
+    repeat's tok/s over the best peer's in that same repeat."""
+    assert turns(["vLLM", "tandem"], 2, interleave=True) == [("vLLM", 0), ("tandem", 0), ("vLLM", 1), ("tandem", 1)]
+    assert turns(["vLLM", "tandem"], 2, interleave=False) == [("vLLM", 0), ("vLLM", 1), ("tandem", 0), ("tandem", 1)]
+    runs = {"vLLM bfloat16": [figures(200.0, 0.4, 80.0, 30.0), figures(250.0, 0.4, 80.0, 30.0),
+                              figures(100.0, 0.4, 80.0, 30.0)],
+            "llama.cpp": [figures(50.0, 0.4, 80.0, 30.0), figures(300.0, 0.4, 80.0, 30.0),
+                          figures(50.0, 0.4, 80.0, 30.0)],
+            "tandem": [figures(300.0, 0.4, 80.0, 30.0), figures(450.0, 0.4, 80.0, 30.0),
+                       figures(160.0, 0.4, 80.0, 30.0)]}
+    text = table(runs, MACHINE, Namespace(**{**vars(ARGS), "repeats": 3, "interleave": True}))
+    assert "medians of 3 interleaved repeats" in text
+    assert "- tandem: 1.50 / 1.50 / 1.60 (median 1.50x)" in text  # against llama.cpp's 300 in repeat 1
+    assert "- vLLM" not in text and "- llama.cpp" not in text
+    back_to_back = table(runs, MACHINE, Namespace(**{**vars(ARGS), "repeats": 3}))
+    assert "medians of 3 back-to-back repeats" in back_to_back and "same repeat" not in back_to_back
 
 
 def test_without_vllm_there_are_no_ratios():
