@@ -101,7 +101,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     fused = cuda_kernels(h, delta, weight)
     if fused is not None and fused.takes_rows(h) and fused.takes_rows(delta) and out_dtype is None:
         return h, fused.rms_norm(h, weight, eps, delta)
-    h = h + delta.to(h.dtype)
+    h = h + delta  # a bfloat16 delta beside a float32 h: promoted, i.e. widened
     return h, rms_norm(h, weight, eps, out_dtype)
 
 
