@@ -327,18 +327,17 @@ def run(args, engine_args: list[str]) -> int:
                               "core_gflops": speed})
         print(json.dumps({"bench": "peers", "system": name, "repeat": repeat, **results[name][-1]}), flush=True)
 
-    names = [name for name, _ in launchers]
     if args.interleave:
         with ExitStack() as servers:
             targets = {name: launch(servers) for name, launch in launchers}
-            for name, repeat in turns(names, args.repeats, interleave=True):
+            for name, repeat in turns(list(targets), args.repeats, interleave=True):
                 record(name, repeat, *targets[name])
     else:
         for name, launch in launchers:
             wait_cpu_quiet()
             with ExitStack() as servers:
                 target = launch(servers)
-                for _, repeat in turns([name], args.repeats, interleave=False):
+                for repeat in range(args.repeats):
                     record(name, repeat, *target)
 
     print(table(results, machine, args))

@@ -33,7 +33,7 @@ using tandem_vec8::load8;
 constexpr int64_t kMaxRows = 256;  // query heads per sequence
 // Key rows asked for ahead of their scores. 8 sequences of 350 positions over 30 layers of SmolLM2's
 // bfloat16 cache (64 MB on scattered pages, 2-core Zen 5 EPYC): 3.1 ms with 8 rows ahead (one tile),
-// 2.7 with 16, 2.4-2.6 with 24, 32 and 48; the tile before took about 100 ns, too little to hide a
+// 2.7 with 16, 2.35-2.8 with 24, 32 and 48; one tile's work takes about 100 ns, too little to hide a
 // read from memory.
 constexpr int64_t kKeysAhead = 32;
 

@@ -142,17 +142,17 @@ class DecoderLayer(nn.Module):
         if config.qk_norm:
             self.q_norm = norm("self_attn.q_norm")
             self.k_norm = norm("self_attn.k_norm")
-        # The whole layer in one native call at decode steps, where it is a plain Llama layer on one rank
-        plain = (self.mla is None and self.moe is None and self.act is silu_mul and all_reduce is None
-                 and not config.sandwich_norms and not config.qk_norm)
+        # Llama's four projections with a SiLU MLP and plain norms, on one rank
+        llama = (self.mla is None and self.moe is None and self.act is silu_mul and all_reduce is None
+                 and not config.sandwich_norms)
+        # The whole layer in one native call at decode steps, where it is a plain Llama layer
+        plain = llama and not config.qk_norm
         # Where a pass's products run in the prefill dtype (a float32 model's prompt pieces), the steps
         # between them hand it to each other (`layer_ops`' out_dtype): the same values as float32 tensors
         # rounded on their way into each product, without the copies. Its qkv products stay float32
         # (RoPE and q/k norms compute in float32).
-        projections = (self.qkv, self.o, self.gate_up, self.down) if self.mla is None and self.moe is None else ()
-        self.narrow = (bool(projections) and self.act is silu_mul and all_reduce is None and not config.sandwich_norms
-                       and all(p.prefill is not None for p in projections)
-                       and all(p.bias is None for p in projections[1:]))
+        self.narrow = llama and all(p.prefill is not None for p in (self.qkv, self.o, self.gate_up, self.down)) and all(
+            p.bias is None for p in (self.o, self.gate_up, self.down))
         self.fused = FusedDecodeLayer.build(self.input_norm, self.mlp_norm, config.rms_norm_eps,
                                             (self.qkv, self.o, self.gate_up, self.down), config.num_heads,
                                             config.num_kv_heads) if plain else None
