@@ -410,7 +410,7 @@ def _add_bench_step(bench_sub: argparse._SubParsersAction) -> None:
                                  "attention read in place vs gathered, the layers as native calls vs op by op, all layers in one "
                                  "call vs one per layer, weights prefetched vs not, the "
                                  "weights' forms, or (a prefill pass) prompt attention in bfloat16 vs float32")
-    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "fused-layer", "fused-stack",
+    bstep.add_argument("--compare", choices=["layer-ops", "kv-pages", "decode-attention", "fused-layer", "fused-stack", "stripes",
                                              "weight-prefetch",
                                              "prompt-attention", "weights"],
                        default="layer-ops")

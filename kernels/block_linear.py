@@ -100,12 +100,61 @@ class Nibbles:
 
     def dequantize(self) -> torch.Tensor:
         n, half = self.q.shape
-        bytes_ = self.q.view(n, half * 2 // BLOCK, BLOCK // 2)
-        nibbles = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1).float()
+        nibbles = _nibbles(self.q).float()
         return torch.addcmul(self.offset.float()[..., None], nibbles, self.scale.float()[..., None]).view(n, half * 2)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+
+@dataclass
+class NibbleStripes:
+    """The same 4-bit blocks regrouped for `block_gemm_q4_stripes` in stripes of 16 weight rows, so that
+    a vector holds 16 rows side by side and the nibbles are multiplied as they are: per stripe and block,
+    eight column quads of 32 bytes (row j's two: columns 4c and 4c + 2 in one byte's low and high
+    nibble, 4c + 1 and 4c + 3 in the next), then the block's 16 scales and 16 offsets. The bytes and
+    values of the Nibbles they come from (`from_nibbles`), in another order."""
+
+    q: torch.Tensor  # [N // 16, K // 32, 8, 32] uint8
+    scale: torch.Tensor  # [N // 16, K // 32, 16] float16
+    offset: torch.Tensor  # [N // 16, K // 32, 16] float16
+
+    STRIPE = 16
+
+    @staticmethod
+    def from_nibbles(w: Nibbles) -> NibbleStripes | None:
+        """`w` in stripes, or None where its rows are not a whole number of stripes."""
+        n, half = w.q.shape
+        if n % NibbleStripes.STRIPE:
+            return None
+        s, nb = n // NibbleStripes.STRIPE, half * 2 // BLOCK
+        nibbles = _nibbles(w.q).view(s, NibbleStripes.STRIPE, nb, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
+        pairs = torch.stack([nibbles[..., 0] | (nibbles[..., 2] << 4), nibbles[..., 1] | (nibbles[..., 3] << 4)], -1)
+        regroup = lambda t: t.view(s, NibbleStripes.STRIPE, nb).transpose(1, 2).contiguous()
+        return NibbleStripes(pairs.reshape(s, nb, BLOCK // 4, 2 * NibbleStripes.STRIPE).contiguous(),
+                             regroup(w.scale), regroup(w.offset))
+
+    def to_nibbles(self) -> Nibbles:
+        s, nb = self.q.shape[:2]
+        pairs = self.q.view(s, nb, BLOCK // 4, NibbleStripes.STRIPE, 2)
+        quads = torch.stack([pairs[..., 0] & 0x0F, pairs[..., 1] & 0x0F, pairs[..., 0] >> 4, pairs[..., 1] >> 4], -1)
+        nibbles = quads.permute(0, 3, 1, 2, 4).reshape(s * NibbleStripes.STRIPE, nb, BLOCK)
+        ungroup = lambda t: t.transpose(1, 2).reshape(s * NibbleStripes.STRIPE, nb).contiguous()
+        q = (nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)).reshape(s * NibbleStripes.STRIPE, -1)
+        return Nibbles(q.contiguous(), ungroup(self.scale), ungroup(self.offset))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.to_nibbles().dequantize()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Nibbles' bytes [N, K // 2] as their values [N, K // 32, 32] (uint8, 0..15), in column order."""
+    n, half = q.shape
+    bytes_ = q.view(n, half * 2 // BLOCK, BLOCK // 2)
+    return torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1)
 
 
 @dataclass
@@ -152,15 +201,24 @@ def block_gemm_q4(x: torch.Tensor, w: Nibbles, tile_rows: int = 0, avx512: int =
     return torch.ops.tandem.block_gemm_q4(x, w.q, w.scale, w.offset, tile_rows, avx512)
 
 
+def block_gemm_q4_stripes(x: torch.Tensor, w: NibbleStripes, exact: bool) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32 over the 4-bit values as they are (AVX512-BF16):
+    float32's product where `exact`, else with x rounded to bfloat16."""
+    return torch.ops.tandem.block_gemm_q4_stripes(x, w.q, w.scale, w.offset, exact)
+
+
 def block_gemm_q8(x: torch.Tensor, w: Bytes, tile_rows: int = 0, avx512: int = -1) -> torch.Tensor:
     """x [M, K] float32 @ w.T -> [M, N] float32, exactly as block_gemm over the blocks `w` was packed
     from (AVX2: bit for bit). `avx512` as for block_gemm_q4."""
     return torch.ops.tandem.block_gemm_q8(x, w.q, w.scale, tile_rows, avx512)
 
 
-def block_gemm_bf16(x: torch.Tensor, w: BlockWeights | Nibbles | Bytes) -> torch.Tensor:
-    """x [M, K] float32 @ w.T -> [M, N] float32, both rounded to bfloat16 and multiplied in it, for
-    blocks in any of the three forms (the weight rounded as its dequantized float32 values would be)."""
+def block_gemm_bf16(x: torch.Tensor, w: BlockWeights | Nibbles | NibbleStripes | Bytes) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32 with x rounded to bfloat16, for blocks in any of the
+    four forms: the weight too rounded as its dequantized float32 values would be, but for stripes,
+    whose 4-bit values are multiplied as they are (`block_gemm_q4_stripes`)."""
+    if isinstance(w, NibbleStripes):
+        return block_gemm_q4_stripes(x, w, exact=False)
     if isinstance(w, Nibbles):
         return torch.ops.tandem.block_gemm_q4_bf16(x, w.q, w.scale, w.offset)
     if isinstance(w, Bytes):

@@ -1,10 +1,10 @@
 """A decoder layer's whole decode step in one native call (`csrc/decode_layer.cpp`), where the
 layer and the step allow it: float32 on a CPU that runs tandem's kernels, the four projections in
-4-bit blocks without biases (`Linear` over `Nibbles`), a plain Llama layer (SiLU MLP, no extra
+4-bit blocks without biases (`Linear` over `Nibbles` or `NibbleStripes`), a plain Llama layer (SiLU MLP, no extra
 norms, one rank), and a step of decodes alone that the attention backend reads in place from the
 paged cache (`AttentionBackend.decode_in_place`), of at most `BLOCK_MAX_ROWS` rows. Where the
-layer's projections take steps of `BFLOAT16_MIN_ROWS` rows or more in bfloat16 (`Linear.bfloat16_blocks`),
-so does the call.
+layer's projections take steps of `Linear.bfloat16_min_rows` rows or more in bfloat16
+(`Linear.bfloat16_blocks`), so does the call.
 
 The call runs the kernels the Python layer runs, in the same order, on the same values: its output
 equals that layer's bit for bit (tests/engine/test_fused_decode.py). What it saves is the glue: ~25
@@ -20,8 +20,8 @@ import torch
 
 from tandem.kernels import layer_ops
 from tandem.kernels.attention import AttentionBackend
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, Nibbles
-from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
+from tandem.kernels.block_linear import BLOCK_MAX_ROWS, Nibbles, NibbleStripes
+from tandem.kernels.linear import Linear
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # KV caches decode_layer_q4 writes (bfloat16: rounded) and reads
 
@@ -43,17 +43,18 @@ class FusedDecodeLayer:
         self.qkv, self.o, self.gate_up, self.down = ([p.blocks.q, p.blocks.scale, p.blocks.offset] for p in projections)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         # steps of this many rows multiply in bfloat16, as the Linears do (0: never)
-        self.bfloat16_rows = BFLOAT16_MIN_ROWS if projections[0].bfloat16_blocks else 0
+        self.bfloat16_rows = projections[0].bfloat16_min_rows if projections[0].bfloat16_blocks else 0
 
     @staticmethod
     def build(input_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float,
               projections: tuple[Linear, Linear, Linear, Linear], num_heads: int,
               num_kv_heads: int) -> FusedDecodeLayer | None:
         """The fused form of a layer with these parts, or None where they do not allow it (the
-        projections not all 4-bit blocks without bias, the norms not float32 on the CPU)."""
-        if not all(isinstance(p.blocks, Nibbles) and p.bias is None for p in projections):
+        projections not all 4-bit blocks without bias or not all turning to bfloat16 at the same rows,
+        the norms not float32 on the CPU)."""
+        if not all(isinstance(p.blocks, (Nibbles, NibbleStripes)) and p.bias is None for p in projections):
             return None
-        if len({p.bfloat16_blocks for p in projections}) > 1:
+        if len({p.bfloat16_min_rows for p in projections}) > 1:
             return None
         if input_norm.device.type != "cpu" or input_norm.dtype != torch.float32:
             return None

@@ -22,7 +22,12 @@ chunks, decode batches of `BFLOAT16_MIN_ROWS` or more), which a CPU with AVX512-
 to three times as fast: above `BLOCK_MAX_ROWS` rows against a bfloat16 copy of the weight (oneDNN),
 from `BFLOAT16_MIN_ROWS` up to it against the blocks, in whichever form they are held
 (`block_gemm_bf16`). Inputs are rounded on the way in and products returned in float32. That is the
-one inexact path here.
+one inexact path here. On such a CPU 4-bit blocks are regrouped in stripes of 16 rows
+(`NibbleStripes`), whose kernel multiplies the 4-bit values as they are: one row in float32 (x split
+exactly into three bfloat16 parts), from `STRIPES_BFLOAT16_MIN_ROWS` rows with x rounded to bfloat16.
+All of SmolLM2's projections in 4 bits (`tandem bench linear --whole-model`, 2-core Zen 5 EPYC), the
+Nibbles' kernels as used before against stripes: 3.22 / 2.94 ms at 1 row (float32 both), 3.82 / 2.65
+at 2 (float32 / bfloat16), 4.92 / 2.66 at 4, 5.83 / 4.29 at 8 (bfloat16 both).
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable,
-                                         block_gemm, block_gemm_bf16, block_gemm_q4, block_gemm_q8)
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes,
+                                         bfloat16_blocks_unavailable, block_gemm, block_gemm_bf16, block_gemm_q4,
+                                         block_gemm_q4_stripes, block_gemm_q8)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 
 log = logging.getLogger("tandem.kernels")
@@ -49,6 +55,20 @@ PACK_BATCH_HINT = 64
 # blocks on a 2-core Zen 5 EPYC, float32 against bfloat16: 3.15 / 3.73 at 1 row, 4.90 / 4.74 at 4,
 # 6.10 / 5.15 at 5, 7.90 / 6.33 at 8; the 8-bit ones 5.51 / 4.95 at 5, 7.72 / 5.83 at 8.
 BFLOAT16_MIN_ROWS = 5
+# The same for 4-bit blocks held in stripes (`NibbleStripes`), whose bfloat16 form pays from 2 rows:
+# all of SmolLM2's projections in stripes (as above), float32 against bfloat16: 2.94 / 2.61 ms at
+# 1 row, 3.10 / 2.65 at 2, 4.99 / 2.66 at 4, 8.73 / 4.29 at 8. One row, a single stream's decode step,
+# stays float32's product.
+STRIPES_BFLOAT16_MIN_ROWS = 2
+
+
+_stripes = [True]
+
+
+def use_stripes(enabled: bool) -> None:
+    """Whether Linears made from now on regroup 4-bit blocks in stripes where they can (the default),
+    or keep them as `Nibbles` (the baseline `tandem bench step --compare stripes` measures against)."""
+    _stripes[0] = enabled
 
 
 class Linear:
@@ -63,7 +83,7 @@ class Linear:
         self.kind = "plain"
         self.blocks: BlockWeights | Nibbles | Bytes | None = None
         self.prefill = None  # Linear over the weight in prefill_dtype, for more than BLOCK_MAX_ROWS rows
-        self.bfloat16_blocks = False  # products of BFLOAT16_MIN_ROWS to BLOCK_MAX_ROWS rows in bfloat16
+        self.bfloat16_blocks = False  # products of bfloat16_min_rows to BLOCK_MAX_ROWS rows in bfloat16
         float32_on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         if blocks is not None and float32_on_cpu and cpu_ops_unavailable() is None:
             self.blocks = (four_bit and Nibbles.pack(blocks)) or Bytes.pack(blocks) or blocks
@@ -71,6 +91,12 @@ class Linear:
             self.prefill = Linear(weight.to(prefill_dtype))
             self.bfloat16_blocks = (self.blocks is not None and prefill_dtype == torch.bfloat16
                                     and bfloat16_blocks_unavailable() is None)
+        if self.bfloat16_blocks and isinstance(self.blocks, Nibbles) and _stripes[0]:
+            self.blocks = NibbleStripes.from_nibbles(self.blocks) or self.blocks
+        # from this many rows the blocks multiply in bfloat16 (BLOCK_MAX_ROWS + 1: never)
+        self.bfloat16_min_rows = BLOCK_MAX_ROWS + 1
+        if self.bfloat16_blocks:
+            self.bfloat16_min_rows = STRIPES_BFLOAT16_MIN_ROWS if isinstance(self.blocks, NibbleStripes) else BFLOAT16_MIN_ROWS
         if self.blocks is not None and self.prefill is not None:
             self.weight = None  # every product goes to one of those two: no third copy
             self.kind = "none"
@@ -87,11 +113,12 @@ class Linear:
         own = None if self.weight is None else (
             {"onednn": "oneDNN-packed", "transposed": "x @ W ([in, out])", "plain": "F.linear"}[self.kind]
             + f" {str(self.weight.dtype).removeprefix('torch.')}")
-        small = own if self.blocks is None else {Nibbles: "4-bit blocks", Bytes: "8-bit blocks"}.get(
-            type(self.blocks), "int8 blocks")
+        small = own if self.blocks is None else {Nibbles: "4-bit blocks", NibbleStripes: "4-bit blocks in stripes",
+                                                 Bytes: "8-bit blocks"}.get(type(self.blocks), "int8 blocks")
         large = self.prefill.describe() if self.prefill is not None else own
         if self.bfloat16_blocks:
-            return (f"{small} up to {BFLOAT16_MIN_ROWS - 1} rows, {small} in bfloat16 up to {BLOCK_MAX_ROWS}, "
+            below = self.bfloat16_min_rows - 1
+            return (f"{small} up to {below} row{'s' if below > 1 else ''}, {small} in bfloat16 up to {BLOCK_MAX_ROWS}, "
                     f"{large} above")
         return own if small == large else f"{small} up to {BLOCK_MAX_ROWS} rows, {large} above"
 
@@ -113,7 +140,9 @@ class Linear:
         dtype without a bias returns its result in that dtype, not widened to float32."""
         rows = x.shape[0]
         if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
-            if self.bfloat16_blocks and rows >= BFLOAT16_MIN_ROWS:
+            if isinstance(self.blocks, NibbleStripes):
+                y = block_gemm_q4_stripes(x, self.blocks, exact=rows < self.bfloat16_min_rows)
+            elif rows >= self.bfloat16_min_rows:
                 y = block_gemm_bf16(x, self.blocks)
             elif isinstance(self.blocks, Nibbles):
                 y = block_gemm_q4(x, self.blocks)

@@ -10,6 +10,9 @@ in two forms alternated within one run so both see the same machine:
 - `--compare fused-layer`: the decoder layers as native calls (`kernels.fused_decode`: all of them in
   one) against the same kernels called op by op from Python;
 - `--compare fused-stack`: all layers in one native call against one call per layer;
+- `--compare stripes`: the 4-bit blocks regrouped in stripes (`NibbleStripes`, where the CPU has
+  AVX512-BF16 and the model multiplies bfloat16 from a few rows) against the same model loaded with
+  them kept as `Nibbles`;
 - `--compare weight-prefetch`: the block kernels asking for weight rows ahead of use (4 rows, the
   default) against the hardware's prefetcher alone;
 - `--compare prompt-attention`: a prefill pass instead (`rows` prompts of `--context` tokens), its
@@ -38,8 +41,10 @@ import torch
 
 from tandem.kernels import fused_decode, layer_ops
 from tandem.kernels.attention import AttentionBatch
+from tandem.kernels.block_linear import NibbleStripes
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
+from tandem.kernels.linear import use_stripes
 from tandem.kernels.torch_attention import TorchAttention
 
 PAGE_SIZE = 16
@@ -117,6 +122,17 @@ def run(args) -> int:
                              "(float32, 4-bit blocks, plain Llama layers, one rank)")
         attn = backend(True)
         forms = {"stack": (model, attn, True), "layers": (model, attn, True)}
+    elif args.compare == "stripes":
+        if not any(isinstance(layer.qkv.blocks, NibbleStripes) for layer in model.layers):
+            raise SystemExit("--compare stripes needs a float32 model whose 4-bit blocks are held in stripes "
+                             "(a GGUF file's Q4 blocks, bfloat16 products from a few rows: AVX512-BF16)")
+        use_stripes(False)
+        try:
+            nibbles = load_model(args.model, args.dtype, "cpu").module
+        finally:
+            use_stripes(True)
+        attn = backend(True)
+        forms = {"stripes": (model, attn, True), "nibbles": (nibbles, attn, True)}
     elif args.compare == "weight-prefetch":
         attn = backend(True)
         forms = {"prefetch": (model, attn, True), "none": (model, attn, True)}

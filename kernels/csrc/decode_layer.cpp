@@ -1,5 +1,5 @@
 // One decoder layer of a decode step on the CPU in one call, for a float32 Llama-style layer whose
-// four projections are 4-bit blocks (block_gemm_q4.cpp). The layer is the same kernels the Python
+// four projections are 4-bit blocks (block_gemm_q4.cpp, or in stripes: block_gemm_q4_stripes.cpp). The layer is the same kernels the Python
 // layer calls (tandem/server/model/llama.py, DecoderLayer.forward), in the same order on the same
 // values, so its output is bit for bit theirs; what it removes is the glue between them: ~25 calls
 // a layer through Python and torch's dispatcher (views, splits, the KV store's index_put, ...),
@@ -20,11 +20,14 @@
 
 namespace {
 
-// A projection's 4-bit weight as three tensors: [q, scale, offset] (block_gemm_q4's operands), over
-// x's rows in float32, or in bfloat16 from `bfloat16_rows` rows (0: never), as Linear multiplies them.
+// A projection's 4-bit weight as three tensors: [q, scale, offset], block_gemm_q4's operands or, where q
+// has four dimensions, block_gemm_q4_stripes'; over x's rows in float32, or in bfloat16 from
+// `bfloat16_rows` rows (0: never), as Linear multiplies them.
 at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t bfloat16_rows, const char* name) {
   TORCH_CHECK(w.size() == 3, name, " must be [q, scale, offset], got ", w.size(), " tensors");
-  if (bfloat16_rows > 0 && x.size(0) >= bfloat16_rows) return block_gemm_q4_bf16(x, w[0], w[1], w[2], 0);
+  const bool bfloat16 = bfloat16_rows > 0 && x.size(0) >= bfloat16_rows;
+  if (w[0].dim() == 4) return block_gemm_q4_stripes(x, w[0], w[1], w[2], !bfloat16);
+  if (bfloat16) return block_gemm_q4_bf16(x, w[0], w[1], w[2], 0);
   return block_gemm_q4(x, w[0], w[1], w[2], 0, -1);
 }
 

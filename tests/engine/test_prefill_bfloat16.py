@@ -2,7 +2,8 @@
 (`--prefill-dtype`, auto on CPUs with AVX512-BF16): prefill chunks and decode batches of more than
 8 rows against a bfloat16 copy of each weight, decode batches of 5 to 8 rows against the GGUF blocks
 in whichever form they are held (`block_gemm_bf16`, where the CPU has AVX512-BF16: the file's 4-bit
-and 8-bit blocks, or int8 blocks with `--gguf-blocks int8`); the attention of prompt pieces; and
+and 8-bit blocks, or int8 blocks with `--gguf-blocks int8`; the 4-bit blocks, held there in stripes,
+from 2 rows); the attention of prompt pieces; and
 beside them, where bfloat16 is native, a bfloat16 KV cache (`--kv-cache-dtype auto`). Against HF
 transformers in float32 on the same GGUF weights: teacher-forced logits within TOLERANCE, and greedy
 output equal up to the first position where the reference's top-2 logit gap is below TOLERANCE.
@@ -19,7 +20,8 @@ from support.checks import assert_greedy_matches_reference
 from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
 from tandem.kernels import layer_ops
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes,
+                                         bfloat16_blocks_unavailable)
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS
 
 NEW_TOKENS = 24
@@ -85,8 +87,8 @@ def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16_pr
 def test_decode_sized_products_round_against_the_blocks(hf_reference, smollm_bf16_prefill, gguf_blocks):
     """Prompts fed 6 tokens at a time: every product has as many rows as a 6-request decode step,
     which from BFLOAT16_MIN_ROWS multiplies the GGUF blocks in bfloat16: the file's own forms (the
-    layers' Q4_1 blocks in 4 bits, the LM head's Q8_0 in 8), or, with `--gguf-blocks int8`, int8
-    blocks."""
+    layers' Q4_1 blocks in 4 bits, in stripes where the CPU has AVX512-BF16; the LM head's Q8_0 in 8),
+    or, with `--gguf-blocks int8`, int8 blocks."""
     from tandem.server.model import load_model
 
     loaded = smollm_bf16_prefill if gguf_blocks == "4bit" else load_model(
@@ -95,7 +97,7 @@ def test_decode_sized_products_round_against_the_blocks(hf_reference, smollm_bf1
     assert BFLOAT16_MIN_ROWS <= piece <= BLOCK_MAX_ROWS
     why = bfloat16_blocks_unavailable()
     module = loaded.module
-    form = Nibbles if gguf_blocks == "4bit" else BlockWeights
+    form = (Nibbles if why else NibbleStripes) if gguf_blocks == "4bit" else BlockWeights
     assert all(isinstance(layer.gate_up.blocks, form) and layer.gate_up.bfloat16_blocks == (why is None)
                for layer in module.layers)
     assert isinstance(module.lm_head.blocks, Bytes) and module.lm_head.bfloat16_blocks == (why is None)
@@ -134,7 +136,26 @@ def test_one_row_decode_steps_over_a_bfloat16_kv_cache_stay_within_the_tolerance
 
 def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefill, hf_reference):
     # 6 running at a time: prefill chunks in bfloat16, decode steps of 5 and 6 rows too (the file's
-    # 4-bit and 8-bit blocks in bfloat16), smaller ones exact
+    # 4-bit and 8-bit blocks in bfloat16; the 4-bit ones in stripes from 2 rows), one-row steps exact
     assert_greedy_matches_reference(smollm_bf16_prefill, hf_reference, prompts(smollm_bf16_prefill.tokenizer),
                                     NEW_TOKENS, TOLERANCE, max_total_tokens=16384, page_size=16,
                                     chunked_prefill_size=256, max_running_requests=6)
+
+
+def test_one_row_steps_over_the_stripes_are_float32s_product(smollm_fp32, hf_reference):
+    """Where the CPU has AVX512-BF16 the 4-bit layers are held in stripes (`NibbleStripes`), whose
+    steps of one row multiply in float32 (x split exactly into three bfloat16 parts): every token of
+    a prompt fed as a one-row decode step over a float32 KV cache gives HF's float32 logits as closely
+    as the float32 model's own 4-bit kernels do."""
+    from tandem.server.model import load_model
+
+    loaded = load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", kv_cache_dtype="float32")
+    native = bfloat16_blocks_unavailable() is None
+    assert isinstance(loaded.module.layers[0].qkv.blocks, NibbleStripes if native else Nibbles)
+    ids = prompts(loaded.tokenizer)[5]
+    with torch.inference_mode():
+        want = hf_reference.model(torch.tensor([ids])).logits[0].float()
+    errors = {}
+    for name, model in (("stripes", loaded), ("float32", smollm_fp32)):
+        errors[name] = float((teacher_forced_logits(model, ids, decode_steps=len(ids)) - want).abs().max())
+    assert errors["stripes"] < 2 * errors["float32"] + 1e-4 and errors["stripes"] < 1e-3, errors

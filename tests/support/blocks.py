@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, bfloat16_blocks_unavailable,
-                                         block_gemm_bf16)
-from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Nibbles, NibbleStripes,
+                                         bfloat16_blocks_unavailable, block_gemm_bf16, block_gemm_q4_stripes)
+from tandem.kernels.linear import BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS, Linear
 
 
 def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:
@@ -37,17 +37,25 @@ def assert_float32_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
 
 def assert_bfloat16_products(w: torch.Tensor, blocks: BlockWeights, x: torch.Tensor, form: type, float32_kernel) -> None:
     """A Linear over `w` and `blocks` asked for bfloat16 products keeps the blocks in `form` (no copy
-    of w beside them) and multiplies x's rows: above BLOCK_MAX_ROWS against a bfloat16 copy, from
-    BFLOAT16_MIN_ROWS up to it the same blocks in bfloat16 where the CPU has AVX512-BF16, otherwise
-    with `float32_kernel` over them."""
+    of w beside them; 4-bit blocks of whole stripes in stripes where the CPU has AVX512-BF16) and
+    multiplies x's rows: above BLOCK_MAX_ROWS against a bfloat16 copy, from the Linear's
+    `bfloat16_min_rows` (BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS for stripes) up to it the same
+    blocks in bfloat16 where the CPU has AVX512-BF16, otherwise with `float32_kernel` over them (in
+    stripes, their float32 form)."""
     halves = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
     native = bfloat16_blocks_unavailable() is None
-    assert isinstance(halves.blocks, form) and halves.bfloat16_blocks == native and halves.weight is None
+    striped = native and form is Nibbles and w.shape[0] % NibbleStripes.STRIPE == 0
+    assert isinstance(halves.blocks, NibbleStripes if striped else form)
+    assert halves.bfloat16_blocks == native and halves.weight is None
+    if native:
+        assert halves.bfloat16_min_rows == (STRIPES_BFLOAT16_MIN_ROWS if striped else BFLOAT16_MIN_ROWS)
     rows = x.shape[0]
     if rows > BLOCK_MAX_ROWS:
         want = Linear(w.bfloat16())(x.bfloat16()).float()
-    elif native and rows >= BFLOAT16_MIN_ROWS:
+    elif native and rows >= halves.bfloat16_min_rows:
         want = block_gemm_bf16(x, halves.blocks)
+    elif striped:
+        want = block_gemm_q4_stripes(x, halves.blocks, exact=True)
     else:
         want = float32_kernel(x, halves.blocks)
     torch.testing.assert_close(halves(x), want, rtol=0, atol=0)

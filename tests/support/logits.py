@@ -12,7 +12,8 @@ from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 def teacher_forced_logits(loaded, ids: list[int], piece: int | None = None, decode_steps: int = 0,
                           page_size: int = 16) -> torch.Tensor:
     """Every position's logits, [len(ids), vocab]: forward passes over `piece` tokens at a time
-    (default: one pass) up to the last `decode_steps` tokens, then one decode step per token."""
+    (default: one pass) up to the last `decode_steps` tokens (all of them: no pass), then one decode
+    step per token."""
     c = loaded.config
     pages = list(range(-(-len(ids) // page_size)))
     cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.kv_dtype,
@@ -20,7 +21,7 @@ def teacher_forced_logits(loaded, ids: list[int], piece: int | None = None, deco
     attn = create_backend("torch", cache, c.num_heads, c.head_dim, prompt_dtype=loaded.module.prefill_dtype)
     prompt = len(ids) - decode_steps
     piece = piece or prompt
-    steps = [(start, min(start + piece, prompt), True) for start in range(0, prompt, piece)]
+    steps = [(start, min(start + piece, prompt), True) for start in range(0, prompt, piece)] if prompt else []
     steps += [(t, t + 1, False) for t in range(prompt, len(ids))]
     logits = []
     for start, end, extend in steps:

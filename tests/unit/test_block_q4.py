@@ -96,7 +96,7 @@ def test_every_tile_height_gives_the_product(tile_rows):
         assert_float32_product(block_gemm_q4(x, Nibbles.pack(blocks), tile_rows, avx512), x, w)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 40])
 def test_linear_multiplies_four_bit_blocks_up_to_the_row_limit(rows):
     """Also with bfloat16 products asked for: no int8 blocks are kept, the 4-bit blocks are multiplied
     in bfloat16 from BFLOAT16_MIN_ROWS rows where the CPU has AVX512-BF16, in float32 below."""
