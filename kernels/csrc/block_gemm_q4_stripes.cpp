@@ -11,10 +11,12 @@
 //   sum_k x_k (scale n_k + offset) = scale * sum_k x_k (n_k - 8) + (offset + 8 scale) * sum_k x_k
 //
 // (offset + 8 scale is 0 for Q4_0). Every weight keeps its 4-bit value; only x is rounded. Two forms:
-// - bfloat16 (`exact` false): x rounded to bfloat16 once, as block_gemm_bf16 rounds it;
+// - bfloat16 (`exact` false): x rounded to bfloat16 once (nearest even);
 // - float32 (`exact` true): x split into three bfloat16 parts whose sum is x exactly (8 + 8 + 8
 //   significant bits), each product of a part and a 4-bit value exact in float32 and summed in
 //   float32: float32's product, at three dot products a column pair where the bfloat16 form takes one.
+// The instructions read denormal inputs as 0 (a part below ~1e-38, of an x below ~1e-33), as the
+// bfloat16 kernels do.
 //
 // Layout (NibbleStripes.from_nibbles): q [N / 16, K / 32, 8, 32] uint8: for stripe s, block b and
 // column quad c (columns 4c..4c+3 of the block), row j's two bytes are (n[4c] | n[4c+2] << 4,
