@@ -115,7 +115,7 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, device: torch.device) -> tuple[str, str]:
     """The dtype of projections over many rows, and why. Only float32 weights on a CPU have a
     choice: bfloat16 there rounds the inputs of prefill products and of decode steps of 5 rows or
-    more (`tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not decode
+    more (2 or more over 4-bit blocks, held there in stripes: `tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not decode
     attention or smaller decode steps, and the KV cache only as `resolve_kv_dtype` decides), for two
     to three times float32's speed on AVX512-BF16. `auto` takes it only where `--dtype` was auto
     too, so that `--dtype float32` stays exact."""
@@ -141,7 +141,7 @@ def resolve_kv_dtype(kv_cache_dtype: str, compute: torch.dtype, prefill: torch.d
     (`paged_decode_attention` widens them as it loads; over float32 pages it took ~40% of an
     8-sequence decode step of SmolLM2 at ~350 tokens on a 2-core Zen 5). Prompts' K and V come out
     of bfloat16 products there already; what it adds is the rounding of the K and V of decode steps
-    below BFLOAT16_MIN_ROWS, while `--dtype float32` (exact) keeps float32. A cache other than the
+    whose products stay float32 (one row over 4-bit blocks, below BFLOAT16_MIN_ROWS otherwise), while `--dtype float32` (exact) keeps float32. A cache other than the
     compute dtype: on a CPU, float32 or bfloat16 beside float32 or bfloat16 math (tandem's kernels
     read both); on CUDA the attention kernels read the compute dtype."""
     if kv_cache_dtype == "auto":
