@@ -94,8 +94,7 @@ class Nibbles:
         scale16, offset16 = w.scale.half(), offset.half()
         if not (torch.equal(scale16.float(), w.scale) and torch.equal(offset16.float(), offset)):
             return None
-        nibbles = (blocks + shift[..., None]).to(torch.uint8)
-        packed = nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)
+        packed = _pack_nibbles((blocks + shift[..., None]).to(torch.uint8))
         return Nibbles(packed.reshape(n, k // 2).contiguous(), scale16.contiguous(), offset16.contiguous())
 
     def dequantize(self) -> torch.Tensor:
@@ -128,20 +127,19 @@ class NibbleStripes:
         if n % NibbleStripes.STRIPE:
             return None
         s, nb = n // NibbleStripes.STRIPE, half * 2 // BLOCK
-        nibbles = _nibbles(w.q).view(s, NibbleStripes.STRIPE, nb, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
-        pairs = torch.stack([nibbles[..., 0] | (nibbles[..., 2] << 4), nibbles[..., 1] | (nibbles[..., 3] << 4)], -1)
+        # [stripe, block, quad, row, 4 columns]: each row's quad as two bytes, columns (0, 2) and (1, 3)
+        quads = _nibbles(w.q).view(s, NibbleStripes.STRIPE, nb, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
         regroup = lambda t: t.view(s, NibbleStripes.STRIPE, nb).transpose(1, 2).contiguous()
-        return NibbleStripes(pairs.reshape(s, nb, BLOCK // 4, 2 * NibbleStripes.STRIPE).contiguous(),
+        return NibbleStripes(_pack_nibbles(quads).reshape(s, nb, BLOCK // 4, 2 * NibbleStripes.STRIPE).contiguous(),
                              regroup(w.scale), regroup(w.offset))
 
     def to_nibbles(self) -> Nibbles:
         s, nb = self.q.shape[:2]
-        pairs = self.q.view(s, nb, BLOCK // 4, NibbleStripes.STRIPE, 2)
-        quads = torch.stack([pairs[..., 0] & 0x0F, pairs[..., 1] & 0x0F, pairs[..., 0] >> 4, pairs[..., 1] >> 4], -1)
-        nibbles = quads.permute(0, 3, 1, 2, 4).reshape(s * NibbleStripes.STRIPE, nb, BLOCK)
-        ungroup = lambda t: t.transpose(1, 2).reshape(s * NibbleStripes.STRIPE, nb).contiguous()
-        q = (nibbles[..., : BLOCK // 2] | (nibbles[..., BLOCK // 2 :] << 4)).reshape(s * NibbleStripes.STRIPE, -1)
-        return Nibbles(q.contiguous(), ungroup(self.scale), ungroup(self.offset))
+        n = s * NibbleStripes.STRIPE
+        quads = _unpack_nibbles(self.q.view(s, nb, BLOCK // 4, NibbleStripes.STRIPE, 2))
+        nibbles = quads.permute(0, 3, 1, 2, 4).reshape(n, nb, BLOCK)
+        ungroup = lambda t: t.transpose(1, 2).reshape(n, nb).contiguous()
+        return Nibbles(_pack_nibbles(nibbles).reshape(n, -1).contiguous(), ungroup(self.scale), ungroup(self.offset))
 
     def dequantize(self) -> torch.Tensor:
         return self.to_nibbles().dequantize()
@@ -150,11 +148,22 @@ class NibbleStripes:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
 
 
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """m bytes [..., m] as 2m values (uint8, 0..15): each byte's low halves, then its high halves."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def _pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """`_unpack_nibbles`' inverse: values [..., 2m] (0..15) as m bytes, value j in byte j's low half
+    and value m + j in its high half."""
+    half = values.shape[-1] // 2
+    return values[..., :half] | (values[..., half:] << 4)
+
+
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Nibbles' bytes [N, K // 2] as their values [N, K // 32, 32] (uint8, 0..15), in column order."""
+    """Nibbles' bytes [N, K // 2] as their values [N, K // 32, 32], in column order."""
     n, half = q.shape
-    bytes_ = q.view(n, half * 2 // BLOCK, BLOCK // 2)
-    return torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1)
+    return _unpack_nibbles(q.view(n, half * 2 // BLOCK, BLOCK // 2))
 
 
 @dataclass
