@@ -515,6 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tandem.common.cpu import apply_isa_cap
+
+    try:
+        apply_isa_cap()  # before torch computes anything, in this process and those it starts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if argv is None and args.command == "serve":  # this process's own command line, so it may re-execute
         from tandem.server.edge.allocator import preload

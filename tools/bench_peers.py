@@ -27,6 +27,11 @@ server is started first and the systems take turns, repeat by repeat (each alone
 the others idle beside it), so that each repeat's figures come from the same minutes of the
 machine's drift; the table then also gives each system's tokens/s over the best peer's in the same
 repeat.
+
+With `TANDEM_CPU_ISA=avx2` in the environment (`tandem.common.cpu`), tandem and llama.cpp run as on
+an AVX2-only CPU (llama.cpp built without AVX-512, tandem's kernels, torch's and oneDNN's within
+AVX2): what such a machine gets, measured on a larger one. vLLM's CPU build picks its own kernels,
+so it is refused then (`--skip-vllm`).
 """
 
 from __future__ import annotations
@@ -234,9 +239,14 @@ def measure(target: str, model_name: str, tokenizer, works: list, work_c1, concu
 
 
 def run(args, engine_args: list[str]) -> int:
+    from tandem.common.cpu import ISA_CAP_VARIABLE, isa_cap
+
     for name in ("rounds", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)} is invalid: must be >= 1")
+    if (cap := isa_cap()) and not args.skip_vllm:
+        raise SystemExit(f"{ISA_CAP_VARIABLE}={cap} keeps tandem and llama.cpp within {cap}, but vLLM's CPU build "
+                         "picks its own kernels: add --skip-vllm")
     from tandem.kernels.isa import cpu_features, runnable_flags
     from tandem.server.model.loader import resolve_model
     from tandem.server.model.tokenizer import load_tokenizer
@@ -262,7 +272,8 @@ def run(args, engine_args: list[str]) -> int:
     bandwidth = read_bandwidth_gb_s()
     weight_bytes, weight_form = decode_weight_bytes(args.model, args.dtype, args.gguf_blocks)
     floor_ms = weight_bytes / bandwidth / 1e6
-    machine = {"cpu_flags": cpu_flags(), "isa_probe": cpu_features().describe(), "cores": threads,
+    machine = {"cpu_flags": cpu_flags(), "isa_probe": cpu_features().describe(), **({"isa_cap": cap} if cap else {}),
+               "cores": threads,
                "read_gb_s": round(bandwidth, 1), "weights": weight_form,
                "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
     print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
@@ -378,7 +389,8 @@ def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
     interleaved = getattr(args, "interleave", False)
     order = "interleaved" if interleaved else "back-to-back"
     lines = [
-        f"CPU flags: {' '.join(machine['cpu_flags'])}{f' ({probe})' if (probe := machine.get('isa_probe')) else ''}; "
+        f"CPU flags: {' '.join(machine['cpu_flags'])}{f' ({probe})' if (probe := machine.get('isa_probe')) else ''}"
+        f"{f'; capped at {cap} by TANDEM_CPU_ISA: tandem and llama.cpp as on an {cap.upper()}-only CPU' if (cap := machine.get('isa_cap')) else ''}; "
         f"{machine['cores']} cores; read bandwidth "
         f"{machine['read_gb_s']} GB/s; a decode step streams {machine['decode_weight_mb']} MB of {machine['weights']} "
         f"weights: single-stream floor {machine['tpot_floor_ms']} ms",

@@ -18,6 +18,7 @@
 
 #include "block_tiles_avx512.h"
 #include "block_weights.h"
+#include "isa_cap.h"
 
 #define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
@@ -123,7 +124,7 @@ TANDEM_BF16_TARGET void tile(const uint16_t* x, int64_t K, const typename Block:
 template <typename Block, typename Scale>
 at::Tensor multiply(const char* name, const at::Tensor& x_in, const typename Block::Value* q, int64_t N,
                     const Scale* scale, const Scale* offset, int64_t tile_rows_asked) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), name, " needs a CPU with AVX512-BF16");
+  TORCH_CHECK(tandem_isa::avx512_bf16_runs(), name, " needs a CPU with AVX512-BF16, not capped by TANDEM_CPU_ISA=avx2");
   using TileFn = void (*)(const uint16_t*, int64_t, const typename Block::Value*, const Scale*, const Scale*, float*,
                           int64_t, int64_t, int64_t);
   static constexpr TileFn kTiles[kMaxTile + 1] = {

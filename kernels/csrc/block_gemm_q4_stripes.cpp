@@ -34,6 +34,7 @@
 #include <algorithm>
 
 #include "block_weights.h"
+#include "isa_cap.h"
 
 #define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
@@ -213,7 +214,8 @@ void multiply(const Operand& x, const at::Tensor& q, const at::Tensor& scale, co
 // rounded to bfloat16 (the weights exact either way).
 at::Tensor block_gemm_q4_stripes(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                                  const at::Tensor& offset, bool exact) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "block_gemm_q4_stripes needs a CPU with AVX512-BF16");
+  TORCH_CHECK(tandem_isa::avx512_bf16_runs(),
+              "block_gemm_q4_stripes needs a CPU with AVX512-BF16, not capped by TANDEM_CPU_ISA=avx2");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kByte && q.is_contiguous() && K % kBlock == 0 &&

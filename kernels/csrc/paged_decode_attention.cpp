@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "exp_nonpositive.h"
+#include "isa_cap.h"
 #include "vec8.h"
 
 namespace {
@@ -39,7 +40,7 @@ constexpr int64_t kKeysAhead = 32;
 
 #define TANDEM_AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 
-inline bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+inline bool has_avx512() { return tandem_isa::avx512_runs(); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -368,7 +369,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
   TORCH_CHECK(avx512 != 1 || (has_avx512() && D % 16 == 0),
-              "paged_decode_attention: avx512=1 needs AVX-512 F and BW and a head_dim that is a multiple of 16");
+              "paged_decode_attention: avx512=1 needs AVX-512 F and BW and a head_dim that is a multiple of 16 "
+              "(and no TANDEM_CPU_ISA=avx2)");
   const bool wide = avx512 != 0 && has_avx512() && D % 16 == 0;
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "exp_nonpositive.h"
+#include "isa_cap.h"
 #include "vec8.h"
 
 #define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -162,7 +163,8 @@ TANDEM_BF16_TARGET void attend_rows(const uint16_t* qb, const Packed& kv, int64_
 // -> [T, H, D] float32. Query head h reads kv head h / (H / KVH).
 at::Tensor prompt_attention_bf16(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& pages, int64_t kv_len, double scale) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prompt_attention_bf16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(tandem_isa::avx512_bf16_runs(),
+              "prompt_attention_bf16 needs a CPU with AVX512-BF16, not capped by TANDEM_CPU_ISA=avx2");
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be float32 [T, H, D]");
   const auto cache_dtype = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && tandem_vec8::float_or_bf16(cache_dtype) &&

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from tandem.common.cpu import cpu_flags
+from tandem.common.cpu import ISA_CAP_VARIABLE, cpu_flags, isa_cap
 from tandem.kernels.block_linear import fits_four_bits
 from tandem.kernels.isa import cpu_features, runnable_flags
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
@@ -204,10 +204,11 @@ def load_model(model: str, dtype: str, device: str, prefill_dtype: str = "auto",
     layer_linear = getattr(first, "qkv", None) or getattr(first, "gate_up", None)
     forms = (f"layers' projections: {layer_linear.describe()}; " if layer_linear is not None else "") + \
         f"LM head: {module.lm_head.describe()}"
-    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); KV cache in %s (%s); %s; CPU flags: %s%s",
+    log.info("%s on %s: %s weights (%s); batched projections in %s (%s); KV cache in %s (%s); %s; CPU flags: %s%s%s",
              source.name, dev, dtype, why, prefill, prefill_why, str(kv).removeprefix("torch."), kv_why, forms,
              " ".join(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))) or "-",
-             f" ({cpu_features().describe()})" if dev.type == "cpu" else "")
+             f" ({cpu_features().describe()})" if dev.type == "cpu" else "",
+             f", capped at {cap} by {ISA_CAP_VARIABLE}" if (cap := isa_cap()) else "")
     return LoadedModel(source, config, module, load_tokenizer(source), DTYPES[dtype], compute, dev, shard, kv)
 
 

@@ -105,3 +105,14 @@ def test_cpu_flags_name_what_this_cpu_has():
     got = cpu_flags()
     assert all(flag in flags for flag in got)
     assert ("avx512_bf16" in got) == ("avx512_bf16" in flags)
+
+
+def test_under_an_isa_cap_vllm_is_refused_and_the_table_says_so(monkeypatch):
+    """TANDEM_CPU_ISA=avx2 holds tandem and llama.cpp to AVX2; vLLM's CPU build picks its own kernels,
+    so a run with it is refused before anything starts."""
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
+    with pytest.raises(SystemExit, match="TANDEM_CPU_ISA=avx2 keeps tandem and llama.cpp within avx2.*--skip-vllm"):
+        run(Namespace(**vars(ARGS), skip_vllm=False), [])
+    text = table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, {**MACHINE, "isa_cap": "avx2"}, ARGS)
+    assert "; capped at avx2 by TANDEM_CPU_ISA: tandem and llama.cpp as on an AVX2-only CPU;" in text.splitlines()[0]
+    assert "capped" not in table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, MACHINE, ARGS)
