@@ -10,15 +10,17 @@ from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 
 
 def teacher_forced_logits(loaded, ids: list[int], piece: int | None = None, decode_steps: int = 0,
-                          page_size: int = 16) -> torch.Tensor:
+                          page_size: int = 16, float32_prompt_attention: bool = False) -> torch.Tensor:
     """Every position's logits, [len(ids), vocab]: forward passes over `piece` tokens at a time
     (default: one pass) up to the last `decode_steps` tokens (all of them: no pass), then one decode
-    step per token."""
+    step per token. The prompt pieces' attention computes in the model's prefill dtype, or in float32
+    with `float32_prompt_attention`."""
     c = loaded.config
     pages = list(range(-(-len(ids) // page_size)))
     cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.kv_dtype,
                          loaded.device)
-    attn = create_backend("torch", cache, c.num_heads, c.head_dim, prompt_dtype=loaded.module.prefill_dtype)
+    attn = create_backend("torch", cache, c.num_heads, c.head_dim,
+                          prompt_dtype=None if float32_prompt_attention else loaded.module.prefill_dtype)
     prompt = len(ids) - decode_steps
     piece = piece or prompt
     steps = [(start, min(start + piece, prompt), True) for start in range(0, prompt, piece)] if prompt else []
