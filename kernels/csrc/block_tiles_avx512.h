@@ -19,8 +19,6 @@
 
 namespace tandem_blocks {
 
-inline bool has_avx512() { return tandem_isa::avx512_runs(); }
-
 // The two forms GGUF files keep blocks in, rebuilt in float32 for the loop below (and for the
 // bfloat16 tiles, block_tiles_bf16.h, which round what these give).
 
@@ -124,8 +122,9 @@ template <typename Value, typename TileFn>
 at::Tensor multiply_f16(const char* name, const at::Tensor& x, const Value* q, int64_t N, const at::Tensor& scale,
                         const at::Tensor* offset, const TileFn* avx2_tiles, const TileFn* avx512_tiles,
                         int64_t tile_rows_asked, int64_t avx512) {
-  TORCH_CHECK(avx512 != 1 || has_avx512(), name, ": avx512=1 on a CPU without AVX-512 F and BW, or with TANDEM_CPU_ISA=avx2");
-  const TileFn* tiles = (avx512 == 1 || (avx512 == -1 && has_avx512())) ? avx512_tiles : avx2_tiles;
+  TORCH_CHECK(avx512 != 1 || tandem_isa::avx512_runs(), name,
+              ": avx512=1 on a CPU without AVX-512 F and BW, or with TANDEM_CPU_ISA=avx2");
+  const TileFn* tiles = (avx512 == 1 || (avx512 == -1 && tandem_isa::avx512_runs())) ? avx512_tiles : avx2_tiles;
   const int64_t M = x.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();

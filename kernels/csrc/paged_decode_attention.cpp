@@ -40,8 +40,6 @@ constexpr int64_t kKeysAhead = 32;
 
 #define TANDEM_AVX512_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
 
-inline bool has_avx512() { return tandem_isa::avx512_runs(); }
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -368,10 +366,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t W = page_table.size(1);
   TORCH_CHECK(H <= kMaxRows, "at most ", kMaxRows, " query heads, got ", H);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
-  TORCH_CHECK(avx512 != 1 || (has_avx512() && D % 16 == 0),
+  TORCH_CHECK(avx512 != 1 || (tandem_isa::avx512_runs() && D % 16 == 0),
               "paged_decode_attention: avx512=1 needs AVX-512 F and BW and a head_dim that is a multiple of 16 "
               "(and no TANDEM_CPU_ISA=avx2)");
-  const bool wide = avx512 != 0 && has_avx512() && D % 16 == 0;
+  const bool wide = avx512 != 0 && tandem_isa::avx512_runs() && D % 16 == 0;
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
