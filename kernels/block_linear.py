@@ -210,10 +210,11 @@ def block_gemm_q4(x: torch.Tensor, w: Nibbles, tile_rows: int = 0, avx512: int =
     return torch.ops.tandem.block_gemm_q4(x, w.q, w.scale, w.offset, tile_rows, avx512)
 
 
-def block_gemm_q4_stripes(x: torch.Tensor, w: NibbleStripes, exact: bool) -> torch.Tensor:
-    """x [M, K] float32 @ w.T -> [M, N] float32 over the 4-bit values as they are (AVX512-BF16):
-    float32's product where `exact`, else with x rounded to bfloat16."""
-    return torch.ops.tandem.block_gemm_q4_stripes(x, w.q, w.scale, w.offset, exact)
+def block_gemm_q4_stripes(x: torch.Tensor, w: NibbleStripes, exact: bool, avx512: int = -1) -> torch.Tensor:
+    """x [M, K] float32 @ w.T -> [M, N] float32 over the 4-bit values as they are: float32's product
+    where `exact`, else with x rounded to bfloat16 (AVX512-BF16 only). `avx512`: -1 the AVX512-BF16
+    forms where they run, else the AVX2 float32 form; 0 the AVX2 form; 1 the AVX512-BF16 ones."""
+    return torch.ops.tandem.block_gemm_q4_stripes(x, w.q, w.scale, w.offset, exact, avx512)
 
 
 def block_gemm_q8(x: torch.Tensor, w: Bytes, tile_rows: int = 0, avx512: int = -1) -> torch.Tensor:
@@ -233,6 +234,12 @@ def block_gemm_bf16(x: torch.Tensor, w: BlockWeights | Nibbles | NibbleStripes |
     if isinstance(w, Bytes):
         return torch.ops.tandem.block_gemm_q8_bf16(x, w.q, w.scale)
     return torch.ops.tandem.block_gemm_bf16(x, w.q, w.scale, w.offset)
+
+
+def avx512_runs() -> bool:
+    """Whether the block kernels take their AVX-512 forms here (F and BW, not capped by
+    TANDEM_CPU_ISA), as `block_gemm_q4(..., avx512=-1)` decides."""
+    return all(flag in runnable_flags() for flag in ("avx512f", "avx512bw"))
 
 
 def bfloat16_blocks_unavailable() -> str | None:

@@ -28,6 +28,14 @@ exactly into three bfloat16 parts), from `STRIPES_BFLOAT16_MIN_ROWS` rows with x
 All of SmolLM2's projections in 4 bits (`tandem bench linear --whole-model`, 2-core Zen 5 EPYC), the
 Nibbles' kernels as used before against stripes: 3.22 / 2.94 ms at 1 row (float32 both), 3.82 / 2.65
 at 2 (float32 / bfloat16), 4.92 / 2.66 at 4, 5.83 / 4.29 at 8 (bfloat16 both).
+
+A CPU without AVX-512 holds them in stripes too, multiplied in float32 at every row count by the
+stripes' AVX2 form. All of SmolLM2's projections and LM head in 4 bits (`TANDEM_CPU_ISA=avx2 tandem
+bench linear --whole-model`, 2-core Zen 5 EPYC), the Nibbles' AVX2 kernel against stripes: 4.95 / 3.31
+ms at 1 row, 5.66 / 4.44 at 2, 7.11 / 6.45 at 4, 11.89 / 11.37 at 8; a whole decode step (`tandem bench
+step --compare stripes`, same cap) 0.72x / 0.83x / 0.94x / 0.96x the time at 1 / 2 / 4 / 8 rows. A CPU
+with AVX-512 but not AVX512-BF16 keeps Nibbles, whose AVX-512 kernel the stripes' AVX2 form does not
+beat (the same bench, uncapped: 3.30 / 3.25 ms at 1 row, 3.82 / 4.26 at 2, 7.88 / 11.59 at 8).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes,
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes, avx512_runs,
                                          bfloat16_blocks_unavailable, block_gemm, block_gemm_bf16, block_gemm_q4,
                                          block_gemm_q4_stripes, block_gemm_q8)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
@@ -66,7 +74,7 @@ _stripes = [True]
 
 
 def use_stripes(enabled: bool) -> None:
-    """Whether Linears made from now on regroup 4-bit blocks in stripes where they can (the default),
+    """Whether Linears made from now on regroup 4-bit blocks in stripes where they pay (the default),
     or keep them as `Nibbles` (the baseline `tandem bench step --compare stripes` measures against)."""
     _stripes[0] = enabled
 
@@ -91,7 +99,7 @@ class Linear:
             self.prefill = Linear(weight.to(prefill_dtype))
             self.bfloat16_blocks = (self.blocks is not None and prefill_dtype == torch.bfloat16
                                     and bfloat16_blocks_unavailable() is None)
-        if self.bfloat16_blocks and isinstance(self.blocks, Nibbles) and _stripes[0]:
+        if isinstance(self.blocks, Nibbles) and _stripes[0] and (self.bfloat16_blocks or not avx512_runs()):
             self.blocks = NibbleStripes.from_nibbles(self.blocks) or self.blocks
         # from this many rows the blocks multiply in bfloat16 (BLOCK_MAX_ROWS + 1: never)
         self.bfloat16_min_rows = BLOCK_MAX_ROWS + 1

@@ -1,5 +1,6 @@
 // y = x @ W.T for GGUF's 4-bit blocks (Q4_0, Q4_1) regrouped in stripes of 16 weight rows, multiplied
-// with AVX512-BF16's dot-product instruction: block_linear.py's NibbleStripes.
+// with AVX512-BF16's dot-product instruction, or in float32 with AVX2 (below, `tile_avx2`): block_linear.py's
+// NibbleStripes.
 //
 // block_gemm_bf16.cpp's kernel walks each weight row along K and rebuilds every block as 32 float32
 // values (scale * nibble + offset) before rounding them to bfloat16: that rebuild, not the weight's
@@ -24,8 +25,8 @@
 // row j in the low and high word of 32-bit lane j, and shifting each word right by 4, columns 4c+2
 // and 4c+3; scale and offset [N / 16, K / 32, 16] float16, row j of the stripe in lane j.
 //
-// The functions carry their own target attribute, so the library builds anywhere; the operator refuses
-// to run on a CPU without AVX512-BF16.
+// The AVX512-BF16 functions carry their own target attribute, so the library builds anywhere; the
+// operator takes them only where they run, and refuses the bfloat16 form elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -165,6 +166,146 @@ TANDEM_BF16_TARGET void tile(const uint16_t* x, int64_t plane, const float* sums
   }
 }
 
+// The float32 form with AVX2 (and FMA, F16C), for CPUs without AVX512-BF16: a vector holds 8 rows of a
+// stripe, so a quad's 32 bytes make two. Row j's two bytes widen to the 32-bit lane j as the word
+// n[4c] | n[4c+2] << 4 | n[4c+1] << 8 | n[4c+3] << 12; each field is masked where it lies and
+// converted (n << 4f, exact), and multiplied with x's column scaled by 2^-4f, which
+// `scaled_columns` prepares once a call (exact: a power of two), so no field is shifted down. Each
+// product x * n is float32's, summed in float32, and a block's sums are scaled once:
+//
+//   sum_k x_k (scale n_k + offset) = scale * sum_k x_k n_k + offset * sum_k x_k.
+//
+// ~13 instructions a quad of 8 rows (one widening load, 4 masks, 4 conversions, 4 multiply-adds),
+// where block_gemm_q4.cpp's AVX2 kernel rebuilds each float32 weight first (~1 instruction a weight).
+// An x scaled below float32's normal range (|x| < ~5e-35) loses bits there.
+constexpr int kFields = 4;
+constexpr int kFieldColumn[kFields] = {0, 2, 1, 3};  // the column of a quad each field of a row's word holds
+constexpr float kFieldScale[kFields] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f};  // 2^-4f
+
+// x [M, K] as the AVX2 tile reads it: per quad its 4 columns in field order, field f scaled by 2^-4f;
+// and each block's sum of x [M][K / 32].
+struct ScaledColumns {
+  at::Tensor columns, sums;
+};
+
+ScaledColumns scaled_columns(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  ScaledColumns out{at::empty({M, K}, x.options()), at::empty({M, nb}, x.options())};
+  const float* src = x.data_ptr<float>();
+  float* dst = out.columns.data_ptr<float>();
+  float* sums = out.sums.data_ptr<float>();
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = src + i * kBlock;
+    float sum = 0.0f;
+    for (int64_t k = 0; k < kBlock; ++k) sum += xb[k];
+    sums[i] = sum;
+    for (int64_t c = 0; c < kQuads; ++c)
+      for (int f = 0; f < kFields; ++f)
+        dst[i * kBlock + 4 * c + f] = xb[4 * c + kFieldColumn[f]] * kFieldScale[f];
+  }
+  return out;
+}
+
+// Rows [0, MT) of x (scaled columns) against half-stripes (8 weight rows) [h0, h1), U at a time.
+template <int MT, int U>
+void tile_avx2(const float* x, const float* sums, int64_t K, const uint8_t* q, const uint16_t* scale,
+               const uint16_t* offset, float* y, int64_t N, int64_t h0, int64_t h1) {
+  const int64_t nb = K / kBlock;
+  // independent chains of multiply-adds: ~8 in all hide their latency
+  constexpr int P = U * MT >= 8 ? 1 : U * MT >= 4 ? 2 : 4;
+  const __m256i masks[kFields] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0), _mm256_set1_epi32(0xF00),
+                                  _mm256_set1_epi32(0xF000)};
+  for (int64_t hs = h0; hs < h1; hs += U) {
+    alignas(32) float total[U * MT * 8] = {};  // each row's sums so far, beside the registers
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 dot[U][MT][P];
+      for (int u = 0; u < U; ++u)
+        for (int m = 0; m < MT; ++m)
+          for (int p = 0; p < P; ++p) dot[u][m][p] = _mm256_setzero_ps();
+      const uint8_t* qb[U];
+      for (int u = 0; u < U; ++u) qb[u] = q + ((hs + u) / 2 * nb + b) * kBlockBytes + 16 * ((hs + u) % 2);
+      if (tandem_blocks::prefetch_rows > 0 && hs % 2 == 0) {
+        // as the AVX-512 tiles ask: kAhead blocks on, into the next stripe past this one's last block
+        const int64_t at = hs / 2 * nb + b + kAhead;  // stripe-block index
+        for (int64_t line = 0; line < kBlockBytes; line += 64) _mm_prefetch(q + at * kBlockBytes + line, _MM_HINT_T0);
+        if (at % 2 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(scale + at * kStripe), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(offset + at * kStripe), _MM_HINT_T0);
+        }
+      }
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kQuads; ++c) {
+        __m256i words[U];
+        for (int u = 0; u < U; ++u)
+          words[u] = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb[u] + 32 * c)));
+        for (int f = 0; f < kFields; ++f) {
+          __m256 w[U];
+          for (int u = 0; u < U; ++u) w[u] = _mm256_cvtepi32_ps(_mm256_and_si256(words[u], masks[f]));
+          for (int m = 0; m < MT; ++m) {
+            const __m256 xv = _mm256_broadcast_ss(x + m * K + b * kBlock + 4 * c + f);
+            for (int u = 0; u < U; ++u) {
+              __m256& acc = dot[u][m][(c * kFields + f) % P];
+              acc = _mm256_fmadd_ps(w[u], xv, acc);
+            }
+          }
+        }
+      }
+      for (int u = 0; u < U; ++u) {
+        const int64_t at = ((hs + u) / 2 * nb + b) * kStripe + 8 * ((hs + u) % 2);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + at)));
+        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offset + at)));
+        for (int m = 0; m < MT; ++m) {
+          __m256 sum = dot[u][m][0];
+          for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, dot[u][m][p]);
+          float* t = total + (u * MT + m) * 8;
+          __m256 acc = _mm256_fmadd_ps(d, sum, _mm256_load_ps(t));
+          _mm256_store_ps(t, _mm256_fmadd_ps(o, _mm256_set1_ps(sums[m * nb + b]), acc));
+        }
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + m * N + (hs + u) * 8, _mm256_load_ps(total + (u * MT + m) * 8));
+  }
+}
+
+using Avx2TileFn = void (*)(const float*, const float*, int64_t, const uint8_t*, const uint16_t*, const uint16_t*,
+                            float*, int64_t, int64_t, int64_t);
+// Up to 8 rows of x in one pass, a half-stripe at a time; one row two half-stripes at a time (a whole
+// stripe: 8 chains of multiply-adds). All of SmolLM2's projections and its LM head as 4-bit blocks
+// (`TANDEM_CPU_ISA=avx2 tandem bench linear --whole-model`, 2-core Zen 5 EPYC), block_gemm_q4's AVX2
+// kernel against this: 4.95 / 3.31 ms at 1 row, 5.66 / 4.44 at 2, 7.11 / 6.45 at 4, 11.89 / 11.37 at
+// 8. Other plans measured (scratch, alternated): 4 rows a pass, or whole stripes at every row count,
+// or 2 rows of whole stripes, were as fast or slower at every row count, the last by 1.5x from 4 rows
+// (two passes where one would do).
+template <int MT>
+constexpr int kAvx2Halves = MT == 1 ? 2 : 1;
+constexpr Avx2TileFn kAvx2Tiles[kMaxRows + 1] = {
+    nullptr, tile_avx2<1, kAvx2Halves<1>>, tile_avx2<2, kAvx2Halves<2>>, tile_avx2<3, kAvx2Halves<3>>,
+    tile_avx2<4, kAvx2Halves<4>>, tile_avx2<5, kAvx2Halves<5>>, tile_avx2<6, kAvx2Halves<6>>,
+    tile_avx2<7, kAvx2Halves<7>>, tile_avx2<8, kAvx2Halves<8>>};
+
+void multiply_avx2(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                   at::Tensor& y) {
+  const int64_t M = y.size(0), N = y.size(1), K = x.size(1), stripes = N / kStripe, nb = K / kBlock;
+  const ScaledColumns scaled = scaled_columns(x);
+  const float* xp = scaled.columns.data_ptr<float>();
+  const float* sums = scaled.sums.data_ptr<float>();
+  const auto* qp = q.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* op = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  // Threads take stripes, 4 at least (64 weight rows); each stripe is multiplied by every pass of rows
+  // while it is in cache.
+  at::parallel_for(0, stripes, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0), halves = rows == 1 ? kAvx2Halves<1> : 1;
+        for (int64_t h = 2 * s; h < 2 * s + 2; h += halves)
+          kAvx2Tiles[rows](xp + m0 * K, sums + m0 * nb, K, qp, sp, op, yp + m0 * N, N, h, h + halves);
+      }
+  });
+}
+
 using TileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, const uint16_t*,
                         const uint16_t*, float*, int64_t, int64_t, int64_t);
 
@@ -207,15 +348,23 @@ void multiply(const Operand& x, const at::Tensor& q, const at::Tensor& scale, co
   });
 }
 
+
 }  // namespace
 
 // x [M, K] float32 @ W.T -> [M, N] float32 for W's 4-bit blocks in stripes (q [N / 16, K / 32, 8, 32]
 // uint8, scale and offset [N / 16, K / 32, 16] float16): float32's product where `exact`, else x
-// rounded to bfloat16 (the weights exact either way).
+// rounded to bfloat16 (the weights exact either way). `avx512`: -1 the AVX512-BF16 forms where they
+// run, else the AVX2 float32 form; 0 the AVX2 form (float32 only); 1 the AVX512-BF16 forms (refused
+// where they do not run).
 at::Tensor block_gemm_q4_stripes(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                                 const at::Tensor& offset, bool exact) {
-  TORCH_CHECK(tandem_isa::avx512_bf16_runs(),
-              "block_gemm_q4_stripes needs a CPU with AVX512-BF16, not capped by TANDEM_CPU_ISA=avx2");
+                                 const at::Tensor& offset, bool exact, int64_t avx512) {
+  TORCH_CHECK(avx512 >= -1 && avx512 <= 1, "avx512 must be -1 (where it runs), 0 or 1, got ", avx512);
+  const bool bf16 = avx512 == 1 || (avx512 == -1 && tandem_isa::avx512_bf16_runs());
+  TORCH_CHECK(!bf16 || tandem_isa::avx512_bf16_runs(),
+              "block_gemm_q4_stripes' AVX512-BF16 forms need a CPU with AVX512-BF16, not capped by TANDEM_CPU_ISA=avx2");
+  TORCH_CHECK(bf16 || exact,
+              "block_gemm_q4_stripes' bfloat16 form (exact=false) needs a CPU with AVX512-BF16, not capped by "
+              "TANDEM_CPU_ISA=avx2; its AVX2 form is float32's (exact=true)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kByte && q.is_contiguous() && K % kBlock == 0 &&
@@ -227,6 +376,10 @@ at::Tensor block_gemm_q4_stripes(const at::Tensor& x, const at::Tensor& q, const
                 t->size(1) == nb && t->size(2) == kStripe, "scale and offset must be contiguous float16 [N / 16, K / 32, 16]");
   auto y = at::empty({M, stripes * kStripe}, x.options());
   if (M == 0) return y;
+  if (!bf16) {
+    multiply_avx2(x.contiguous(), q, scale, offset, y);
+    return y;
+  }
   const Operand operand = split(x.contiguous(), exact ? 3 : 1);
   if (exact)
     multiply<3>(operand, q, scale, offset, y);
@@ -236,7 +389,7 @@ at::Tensor block_gemm_q4_stripes(const at::Tensor& x, const at::Tensor& q, const
 }
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("block_gemm_q4_stripes(Tensor x, Tensor q, Tensor scale, Tensor offset, bool exact) -> Tensor");
+  m.def("block_gemm_q4_stripes(Tensor x, Tensor q, Tensor scale, Tensor offset, bool exact, int avx512=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("block_gemm_q4_stripes", &block_gemm_q4_stripes); }

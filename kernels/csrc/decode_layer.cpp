@@ -26,7 +26,7 @@ namespace {
 at::Tensor project(const at::Tensor& x, at::TensorList w, int64_t bfloat16_rows, const char* name) {
   TORCH_CHECK(w.size() == 3, name, " must be [q, scale, offset], got ", w.size(), " tensors");
   const bool bfloat16 = bfloat16_rows > 0 && x.size(0) >= bfloat16_rows;
-  if (w[0].dim() == 4) return block_gemm_q4_stripes(x, w[0], w[1], w[2], !bfloat16);
+  if (w[0].dim() == 4) return block_gemm_q4_stripes(x, w[0], w[1], w[2], !bfloat16, -1);
   if (bfloat16) return block_gemm_q4_bf16(x, w[0], w[1], w[2], 0);
   return block_gemm_q4(x, w[0], w[1], w[2], 0, -1);
 }

@@ -12,7 +12,7 @@ at::Tensor block_gemm_q4(const at::Tensor& x, const at::Tensor& q, const at::Ten
 at::Tensor block_gemm_q4_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                               const at::Tensor& offset, int64_t tile_rows);                         // block_gemm_bf16.cpp
 at::Tensor block_gemm_q4_stripes(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                                 const at::Tensor& offset, bool exact);                             // block_gemm_q4_stripes.cpp
+                                 const at::Tensor& offset, bool exact, int64_t avx512);             // block_gemm_q4_stripes.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     std::optional<at::ScalarType> out_dtype = std::nullopt);                        // layer_ops.cpp
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight, double eps,

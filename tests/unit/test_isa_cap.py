@@ -64,7 +64,8 @@ def test_the_command_refuses_a_wrong_cap_before_anything_runs(monkeypatch, capsy
     assert "TANDEM_CPU_ISA='sse' is invalid" in capsys.readouterr().err
 
 
-# Each kernel asked for its AVX-512 form explicitly (avx512=1), or one that needs AVX512-BF16: what ran.
+# Each kernel asked for its AVX-512 form explicitly (avx512=1), or one that needs AVX512-BF16, and the stripes'
+# float32 product, which has an AVX2 form: what ran.
 KERNELS = """
 import json, torch
 from tandem.kernels.block_linear import Nibbles, NibbleStripes, block_gemm_q4
@@ -83,7 +84,9 @@ def attempt(name, call):
         outcome[name] = "refused: " + str(e).splitlines()[0]
 attempt("block_gemm_q4", lambda: block_gemm_q4(x, Nibbles(q, scale, offset), avx512=1))
 stripes = NibbleStripes.from_nibbles(Nibbles(q, scale, offset))
-attempt("block_gemm_q4_stripes", lambda: torch.ops.tandem.block_gemm_q4_stripes(x, stripes.q, stripes.scale, stripes.offset, True))
+attempt("block_gemm_q4_stripes", lambda: torch.ops.tandem.block_gemm_q4_stripes(x, stripes.q, stripes.scale, stripes.offset, True, 1))
+attempt("block_gemm_q4_stripes, bfloat16", lambda: torch.ops.tandem.block_gemm_q4_stripes(x, stripes.q, stripes.scale, stripes.offset, False))
+attempt("block_gemm_q4_stripes, float32", lambda: torch.ops.tandem.block_gemm_q4_stripes(x, stripes.q, stripes.scale, stripes.offset, True))
 cache = torch.randn(4, 16, 1, 64)
 attempt("paged_decode_attention", lambda: torch.ops.tandem.paged_decode_attention(
     torch.randn(1, 2, 64), cache, cache, torch.tensor([[0, 1]]), torch.tensor([20]), 0.125, 0, 1))
@@ -105,11 +108,15 @@ def test_the_kernels_keep_to_avx2_under_the_cap(monkeypatch):
     capped = kernels_run("avx2")
     assert capped["block_gemm_q4"].startswith("refused: ") and "AVX-512" in capped["block_gemm_q4"]
     assert capped["paged_decode_attention"].startswith("refused: ") and "AVX-512" in capped["paged_decode_attention"]
-    assert capped["block_gemm_q4_stripes"].startswith("refused: ") and "TANDEM_CPU_ISA" in capped["block_gemm_q4_stripes"]
+    for name in ("block_gemm_q4_stripes", "block_gemm_q4_stripes, bfloat16"):
+        assert capped[name].startswith("refused: ") and "TANDEM_CPU_ISA" in capped[name]
+    assert capped["block_gemm_q4_stripes, float32"] == "ran"  # the AVX2 form
     monkeypatch.delenv(ISA_CAP_VARIABLE, raising=False)  # what this CPU lists, even in a capped run of the tests
     flags = cpu.cpu_flags()
     uncapped = kernels_run(None)
     avx512 = all(flag in flags for flag in ("avx512f", "avx512bw"))
     assert (uncapped["block_gemm_q4"] == "ran") == avx512
     assert (uncapped["paged_decode_attention"] == "ran") == avx512
-    assert (uncapped["block_gemm_q4_stripes"] == "ran") == ("avx512_bf16" in flags)
+    for name in ("block_gemm_q4_stripes", "block_gemm_q4_stripes, bfloat16"):
+        assert (uncapped[name] == "ran") == ("avx512_bf16" in flags)
+    assert uncapped["block_gemm_q4_stripes, float32"] == "ran"
