@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tandem.common.cpu import cpu_flags
-from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Nibbles, block_gemm, block_gemm_q4
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Nibbles, NibbleStripes, block_gemm, block_gemm_q4,
+                                         block_gemm_q4_stripes)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import Linear
 from tandem.server.model.loader import gguf_block_parts
@@ -99,14 +100,17 @@ def test_every_tile_height_gives_the_product(tile_rows):
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 40])
 def test_linear_multiplies_four_bit_blocks_up_to_the_row_limit(rows):
     """Also with bfloat16 products asked for: no int8 blocks are kept, the 4-bit blocks are multiplied
-    in bfloat16 from BFLOAT16_MIN_ROWS rows where the CPU has AVX512-BF16, in float32 below."""
+    in bfloat16 from BFLOAT16_MIN_ROWS rows where the CPU has AVX512-BF16, in float32 below. A CPU
+    without AVX-512 holds them in stripes (`NibbleStripes`, their float32 AVX2 form)."""
     blocks, w = from_gguf(Q.Q4_1, 320, 576, seed=rows)
     bias = torch.randn(320)
     linear = Linear(w, bias, blocks)
-    assert isinstance(linear.blocks, Nibbles) and linear.describe() == "4-bit blocks up to 8 rows, oneDNN-packed float32 above"
+    form, name = (Nibbles, "4-bit blocks") if HAS_AVX512 else (NibbleStripes, "4-bit blocks in stripes")
+    assert isinstance(linear.blocks, form) and linear.describe() == f"{name} up to 8 rows, oneDNN-packed float32 above"
     x = torch.randn(rows, 576)
     if rows <= BLOCK_MAX_ROWS:
-        torch.testing.assert_close(linear(x), block_gemm_q4(x, linear.blocks) + bias, rtol=0, atol=0)
+        product = block_gemm_q4(x, linear.blocks) if HAS_AVX512 else block_gemm_q4_stripes(x, linear.blocks, exact=True)
+        torch.testing.assert_close(linear(x), product + bias, rtol=0, atol=0)
         assert linear.streamed_bytes(rows) == 320 * 576 * 5 // 8
     else:
         torch.testing.assert_close(linear(x), Linear(w, bias)(x), rtol=0, atol=0)
