@@ -212,8 +212,8 @@ def block_gemm_q4(x: torch.Tensor, w: Nibbles, tile_rows: int = 0, avx512: int =
 
 def block_gemm_q4_stripes(x: torch.Tensor, w: NibbleStripes, exact: bool, avx512: int = -1) -> torch.Tensor:
     """x [M, K] float32 @ w.T -> [M, N] float32 over the 4-bit values as they are: float32's product
-    where `exact`, else with x rounded to bfloat16 (AVX512-BF16 only). `avx512`: -1 the AVX512-BF16
-    forms where they run, else the AVX2 float32 form; 0 the AVX2 form; 1 the AVX512-BF16 ones."""
+    where `exact`, else with x rounded to bfloat16 (AVX512-BF16 only). `avx512`: -1 the AVX-512 forms
+    where they run, else AVX2's; 0 AVX2's (float32 only); 1 the AVX-512 ones."""
     return torch.ops.tandem.block_gemm_q4_stripes(x, w.q, w.scale, w.offset, exact, avx512)
 
 
@@ -234,12 +234,6 @@ def block_gemm_bf16(x: torch.Tensor, w: BlockWeights | Nibbles | NibbleStripes |
     if isinstance(w, Bytes):
         return torch.ops.tandem.block_gemm_q8_bf16(x, w.q, w.scale)
     return torch.ops.tandem.block_gemm_bf16(x, w.q, w.scale, w.offset)
-
-
-def avx512_runs() -> bool:
-    """Whether the block kernels take their AVX-512 forms here (F and BW, not capped by
-    TANDEM_CPU_ISA), as `block_gemm_q4(..., avx512=-1)` decides."""
-    return all(flag in runnable_flags() for flag in ("avx512f", "avx512bw"))
 
 
 def bfloat16_blocks_unavailable() -> str | None:

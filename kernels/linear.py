@@ -22,20 +22,17 @@ chunks, decode batches of `BFLOAT16_MIN_ROWS` or more), which a CPU with AVX512-
 to three times as fast: above `BLOCK_MAX_ROWS` rows against a bfloat16 copy of the weight (oneDNN),
 from `BFLOAT16_MIN_ROWS` up to it against the blocks, in whichever form they are held
 (`block_gemm_bf16`). Inputs are rounded on the way in and products returned in float32. That is the
-one inexact path here. On such a CPU 4-bit blocks are regrouped in stripes of 16 rows
-(`NibbleStripes`), whose kernel multiplies the 4-bit values as they are: one row in float32 (x split
-exactly into three bfloat16 parts), from `STRIPES_BFLOAT16_MIN_ROWS` rows with x rounded to bfloat16.
-All of SmolLM2's projections in 4 bits (`tandem bench linear --whole-model`, 2-core Zen 5 EPYC), the
-Nibbles' kernels as used before against stripes: 3.22 / 2.94 ms at 1 row (float32 both), 3.82 / 2.65
-at 2 (float32 / bfloat16), 4.92 / 2.66 at 4, 5.83 / 4.29 at 8 (bfloat16 both).
+one inexact path here.
 
-A CPU without AVX-512 holds them in stripes too, multiplied in float32 at every row count by the
-stripes' AVX2 form. All of SmolLM2's projections and LM head in 4 bits (`TANDEM_CPU_ISA=avx2 tandem
-bench linear --whole-model`, 2-core Zen 5 EPYC), the Nibbles' AVX2 kernel against stripes: 4.95 / 3.31
-ms at 1 row, 5.66 / 4.44 at 2, 7.11 / 6.45 at 4, 11.89 / 11.37 at 8; a whole decode step (`tandem bench
-step --compare stripes`, same cap) 0.72x / 0.83x / 0.94x / 0.96x the time at 1 / 2 / 4 / 8 rows. A CPU
-with AVX-512 but not AVX512-BF16 keeps Nibbles, whose AVX-512 kernel the stripes' AVX2 form does not
-beat (the same bench, uncapped: 3.30 / 3.25 ms at 1 row, 3.82 / 4.26 at 2, 7.88 / 11.59 at 8).
+4-bit blocks whose rows make whole stripes of 16 are regrouped so (`NibbleStripes`), whose kernel
+multiplies the 4-bit values as they are, 16 weight rows to a vector, the blocks' scales applied to
+their sums (`block_gemm_q4_stripes`): in float32 (AVX-512, else AVX2), and where bfloat16 products are
+asked and native, from `STRIPES_BFLOAT16_MIN_ROWS` rows with x rounded to bfloat16. All of SmolLM2's
+projections and LM head in 4 bits (`tandem bench linear --whole-model`, 2-core Zen 5 EPYC), Nibbles
+against stripes, both float32: 3.47 / 2.89 ms at 1 row, 4.00 / 3.18 at 2, 5.17 / 4.35 at 4, 8.30 /
+6.84 at 8 with AVX-512; held to AVX2 (`TANDEM_CPU_ISA=avx2`) 4.95 / 3.31, 5.66 / 4.44, 7.11 / 6.45,
+11.89 / 11.37; a whole decode step there (`tandem bench step --compare stripes`) 0.72x / 0.83x /
+0.94x / 0.96x the time at 1 / 2 / 4 / 8 rows.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes, avx512_runs,
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes,
                                          bfloat16_blocks_unavailable, block_gemm, block_gemm_bf16, block_gemm_q4,
                                          block_gemm_q4_stripes, block_gemm_q8)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
@@ -64,9 +61,9 @@ PACK_BATCH_HINT = 64
 # 6.10 / 5.15 at 5, 7.90 / 6.33 at 8; the 8-bit ones 5.51 / 4.95 at 5, 7.72 / 5.83 at 8.
 BFLOAT16_MIN_ROWS = 5
 # The same for 4-bit blocks held in stripes (`NibbleStripes`), whose bfloat16 form pays from 2 rows:
-# all of SmolLM2's projections in stripes (as above), float32 against bfloat16: 2.94 / 2.61 ms at
-# 1 row, 3.10 / 2.65 at 2, 4.99 / 2.66 at 4, 8.73 / 4.29 at 8. One row, a single stream's decode step,
-# stays float32's product.
+# all of SmolLM2's projections and LM head in stripes (as above), float32 (AVX-512) against bfloat16:
+# 2.89 / 2.63 ms at 1 row, 3.18 / 2.68 at 2, 4.35 / 2.99 at 4, 6.84 / 4.54 at 8. One row, a single
+# stream's decode step, stays float32's product.
 STRIPES_BFLOAT16_MIN_ROWS = 2
 
 
@@ -74,7 +71,7 @@ _stripes = [True]
 
 
 def use_stripes(enabled: bool) -> None:
-    """Whether Linears made from now on regroup 4-bit blocks in stripes where they pay (the default),
+    """Whether Linears made from now on regroup 4-bit blocks in stripes where their rows allow (the default),
     or keep them as `Nibbles` (the baseline `tandem bench step --compare stripes` measures against)."""
     _stripes[0] = enabled
 
@@ -99,7 +96,7 @@ class Linear:
             self.prefill = Linear(weight.to(prefill_dtype))
             self.bfloat16_blocks = (self.blocks is not None and prefill_dtype == torch.bfloat16
                                     and bfloat16_blocks_unavailable() is None)
-        if isinstance(self.blocks, Nibbles) and _stripes[0] and (self.bfloat16_blocks or not avx512_runs()):
+        if isinstance(self.blocks, Nibbles) and _stripes[0]:
             self.blocks = NibbleStripes.from_nibbles(self.blocks) or self.blocks
         # from this many rows the blocks multiply in bfloat16 (BLOCK_MAX_ROWS + 1: never)
         self.bfloat16_min_rows = BLOCK_MAX_ROWS + 1

@@ -13,8 +13,8 @@ layer's own weights (so they stream from memory), per batch size, in the forms a
 a CPU can use: the 4-bit blocks (`block_gemm_q4`; with AVX-512 also its AVX2 functions), the
 8-bit blocks (`block_gemm_q8`, Q8_0-like values), the int8
 blocks in float32 (`block_gemm`), all three block forms in bfloat16 where the CPU has AVX512-BF16
-(`block_gemm_bf16`), the 4-bit blocks in stripes (`block_gemm_q4_stripes` in float32: with AVX512-BF16
-and there also its AVX2 form and its bfloat16 one; without, its AVX2 form), and oneDNN over float32 and bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
+(`block_gemm_bf16`), the 4-bit blocks in stripes (`block_gemm_q4_stripes` in float32, with AVX-512 also
+its AVX2 form, with AVX512-BF16 also its bfloat16 one), and oneDNN over float32 and bfloat16 weights; also the float32 blocks with tiles of 8 rows of x
 whatever the projection's width (`8-row tiles`), against the default, which fits each tile of x
 in L1. The forms are timed in turn (median of 15 rounds); each form's time over the float32
 blocks'.
@@ -108,9 +108,10 @@ def run_whole_model(args) -> int:
     if all(s is not None for s in stripes):
         forms["4-bit stripes"] = lambda x: [block_gemm_q4_stripes(x[2 * n.q.shape[1]], s, exact=True)
                                             for n, s in zip(nibbles, stripes)]
-        if bfloat16_blocks_unavailable() is None:
+        if avx512:
             forms["4-bit stripes, AVX2"] = lambda x: [block_gemm_q4_stripes(x[2 * n.q.shape[1]], s, True, avx512=0)
                                                       for n, s in zip(nibbles, stripes)]
+        if bfloat16_blocks_unavailable() is None:
             forms["4-bit stripes, bfloat16"] = lambda x: [block_gemm_q4_stripes(x[2 * n.q.shape[1]], s, exact=False)
                                                           for n, s in zip(nibbles, stripes)]
     for dtype in (torch.float32, torch.bfloat16):

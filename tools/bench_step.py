@@ -10,9 +10,8 @@ in two forms alternated within one run so both see the same machine:
 - `--compare fused-layer`: the decoder layers as native calls (`kernels.fused_decode`: all of them in
   one) against the same kernels called op by op from Python;
 - `--compare fused-stack`: all layers in one native call against one call per layer;
-- `--compare stripes`: the 4-bit blocks regrouped in stripes (`NibbleStripes`, where the CPU has
-  AVX512-BF16 and the model multiplies bfloat16 from a few rows, or lacks AVX-512) against the same
-  model loaded with them kept as `Nibbles`;
+- `--compare stripes`: the 4-bit blocks regrouped in stripes (`NibbleStripes`) against the same model
+  loaded with them kept as `Nibbles`;
 - `--compare weight-prefetch`: the block kernels asking for weight rows ahead of use (4 rows, the
   default) against the hardware's prefetcher alone;
 - `--compare prompt-attention`: a prefill pass instead (`rows` prompts of `--context` tokens), its
@@ -125,8 +124,7 @@ def run(args) -> int:
     elif args.compare == "stripes":
         if not any(isinstance(layer.qkv.blocks, NibbleStripes) for layer in model.layers):
             raise SystemExit("--compare stripes needs a float32 model whose 4-bit blocks are held in stripes "
-                             "(a GGUF file's Q4 blocks on a CPU without AVX-512, or with bfloat16 products from a "
-                             "few rows: AVX512-BF16)")
+                             "(a GGUF file's Q4 blocks, with tandem's CPU kernels)")
         use_stripes(False)
         try:
             nibbles = load_model(args.model, args.dtype, "cpu").module

@@ -54,14 +54,13 @@ def test_batch_of_one_matches_batched(make_engine, greedy_workload):
 
 def test_decode_projections_read_the_gguf_blocks(smollm_fp32):
     """The tests above run the block-quantized path (steps of up to 8 rows) wherever it can run:
-    every layer projection of the built-in Q4_1/Q8_0 file holds its 4-bit blocks (as Nibbles, or in
-    stripes where the CPU lacks AVX-512), the lm_head its
+    every layer projection of the built-in Q4_1/Q8_0 file holds its 4-bit blocks (in stripes), the lm_head its
     Q8_0 blocks as the file keeps them (int8 values, float16 scales), and each dequantizes, bit for bit, to the float32 weights HF transformers
     is given (fused projections: to their weights side by side)."""
     import torch
 
     from tandem.common.cpu import cpu_flags
-    from tandem.kernels.block_linear import Bytes, Nibbles, NibbleStripes, avx512_runs
+    from tandem.kernels.block_linear import Bytes, NibbleStripes
     from tandem.server.model.loader import load_block_weights, load_weights
 
     module = smollm_fp32.module
@@ -80,9 +79,7 @@ def test_decode_projections_read_the_gguf_blocks(smollm_fp32):
     for i, layer in enumerate(module.layers):
         for name, parts in fused.items():
             linear = getattr(layer, name)
-            # regrouped in stripes where bfloat16 products are asked and native, or the CPU lacks AVX-512
-            striped = linear.bfloat16_blocks or not avx512_runs()
-            assert isinstance(linear.blocks, NibbleStripes if striped else Nibbles), (i, name)
+            assert isinstance(linear.blocks, NibbleStripes), (i, name)  # SmolLM2's rows make whole stripes
             want = torch.cat([weights[f"model.layers.{i}.{part}.weight"] for part in parts])
             assert torch.equal(linear.blocks.dequantize(), want), (i, name)
 

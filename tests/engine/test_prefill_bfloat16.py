@@ -20,7 +20,7 @@ from support.checks import assert_greedy_matches_reference
 from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
 from tandem.kernels import layer_ops
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes, avx512_runs,
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes,
                                          bfloat16_blocks_unavailable)
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS, use_stripes
 
@@ -87,9 +87,8 @@ def test_teacher_forced_logits_are_close_to_the_float32_reference(smollm_bf16_pr
 def test_decode_sized_products_round_against_the_blocks(hf_reference, smollm_bf16_prefill, gguf_blocks):
     """Prompts fed 6 tokens at a time: every product has as many rows as a 6-request decode step,
     which from BFLOAT16_MIN_ROWS multiplies the GGUF blocks in bfloat16: the file's own forms (the
-    layers' Q4_1 blocks in 4 bits, in stripes where the CPU has AVX512-BF16; the LM head's Q8_0 in 8),
-    or, with `--gguf-blocks int8`, int8 blocks. Without AVX512-BF16 they stay float32 products (in
-    stripes where the CPU lacks AVX-512 too)."""
+    layers' Q4_1 blocks in 4 bits, in stripes; the LM head's Q8_0 in 8), or, with `--gguf-blocks int8`,
+    int8 blocks. Without AVX512-BF16 they stay float32 products."""
     from tandem.server.model import load_model
 
     loaded = smollm_bf16_prefill if gguf_blocks == "4bit" else load_model(
@@ -98,7 +97,7 @@ def test_decode_sized_products_round_against_the_blocks(hf_reference, smollm_bf1
     assert BFLOAT16_MIN_ROWS <= piece <= BLOCK_MAX_ROWS
     why = bfloat16_blocks_unavailable()
     module = loaded.module
-    form = (NibbleStripes if why is None or not avx512_runs() else Nibbles) if gguf_blocks == "4bit" else BlockWeights
+    form = NibbleStripes if gguf_blocks == "4bit" else BlockWeights
     assert all(isinstance(layer.gate_up.blocks, form) and layer.gate_up.bfloat16_blocks == (why is None)
                for layer in module.layers)
     assert isinstance(module.lm_head.blocks, Bytes) and module.lm_head.bfloat16_blocks == (why is None)
@@ -145,19 +144,17 @@ def test_greedy_output_matches_the_reference_up_to_a_near_tie(smollm_bf16_prefil
 
 
 def test_one_row_steps_over_the_stripes_are_float32s_product(hf_reference):
-    """Where the CPU has AVX512-BF16, or lacks AVX-512, the 4-bit layers are held in stripes
-    (`NibbleStripes`), whose steps of one row multiply in float32 (x split exactly into three bfloat16
-    parts, or with AVX2 each column against the 4-bit values): every token of a prompt fed as a one-row
-    decode step over a float32 KV cache gives HF's float32 logits as closely as the same model held as
-    `Nibbles` (whose kernels rebuild every float32 weight) does."""
+    """The 4-bit layers are held in stripes (`NibbleStripes`), whose steps of one row multiply in
+    float32 (each column of x against the 4-bit values, the scales applied to the blocks' sums): every
+    token of a prompt fed as a one-row decode step over a float32 KV cache gives HF's float32 logits as
+    closely as the same model held as `Nibbles` (whose kernels rebuild every float32 weight) does."""
     from tandem.server.model import load_model
 
     def load():
         return load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", kv_cache_dtype="float32")
 
     loaded = load()
-    striped = bfloat16_blocks_unavailable() is None or not avx512_runs()
-    assert isinstance(loaded.module.layers[0].qkv.blocks, NibbleStripes if striped else Nibbles)
+    assert isinstance(loaded.module.layers[0].qkv.blocks, NibbleStripes)
     use_stripes(False)
     try:
         nibbles = load()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Nibbles, NibbleStripes, avx512_runs,
+from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Nibbles, NibbleStripes,
                                          bfloat16_blocks_unavailable, block_gemm_bf16, block_gemm_q4_stripes)
 from tandem.kernels.linear import BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS, Linear
 
@@ -37,15 +37,14 @@ def assert_float32_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
 
 def assert_bfloat16_products(w: torch.Tensor, blocks: BlockWeights, x: torch.Tensor, form: type, float32_kernel) -> None:
     """A Linear over `w` and `blocks` asked for bfloat16 products keeps the blocks in `form` (no copy
-    of w beside them; 4-bit blocks of whole stripes in stripes where the CPU has AVX512-BF16 or lacks
-    AVX-512) and
+    of w beside them; 4-bit blocks of whole stripes in stripes) and
     multiplies x's rows: above BLOCK_MAX_ROWS against a bfloat16 copy, from the Linear's
     `bfloat16_min_rows` (BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS for stripes) up to it the same
     blocks in bfloat16 where the CPU has AVX512-BF16, otherwise with `float32_kernel` over them (in
     stripes, their float32 form)."""
     halves = Linear(w, None, blocks, prefill_dtype=torch.bfloat16)
     native = bfloat16_blocks_unavailable() is None
-    striped = (native or not avx512_runs()) and form is Nibbles and w.shape[0] % NibbleStripes.STRIPE == 0
+    striped = form is Nibbles and w.shape[0] % NibbleStripes.STRIPE == 0
     assert isinstance(halves.blocks, NibbleStripes if striped else form)
     assert halves.bfloat16_blocks == native and halves.weight is None
     if native:
