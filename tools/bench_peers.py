@@ -104,13 +104,13 @@ def decode_weight_bytes(model: str, dtype: str, gguf_blocks: str = "4bit") -> tu
     """Bytes of weights a batch-1 decode step reads (every layer's projections and the lm_head, in
     the form tandem holds them: the GGUF file's blocks where it streams those; the embedding rows
     and norms are negligible), and what form that is."""
-    from tandem.kernels.block_linear import Nibbles
+    from tandem.kernels.block_linear import Nibbles, NibbleStripes
     from tandem.server.model import load_model
 
     module = load_model(model, dtype, "cpu", gguf_blocks=gguf_blocks).module
     blocks = module.layers[0].gate_up.blocks
     if blocks is not None:
-        form = "4-bit-block" if isinstance(blocks, Nibbles) else "int8-block"
+        form = "4-bit-block" if isinstance(blocks, (Nibbles, NibbleStripes)) else "int8-block"
     else:
         form = str(module.lm_head.weight.dtype).removeprefix("torch.")
     return module.streamed_bytes(1), form

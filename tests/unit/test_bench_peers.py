@@ -8,7 +8,7 @@ from argparse import Namespace
 import pytest
 
 from tandem.common.cpu import cap_flags, isa_cap
-from tandem.tools.bench_peers import cpu_flags, run, table, turns
+from tandem.tools.bench_peers import cpu_flags, decode_weight_bytes, run, table, turns
 from tandem.tools.bench_serve import Sample, drive
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
@@ -117,3 +117,21 @@ def test_under_an_isa_cap_vllm_is_refused_and_the_table_says_so(monkeypatch):
     text = table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, {**MACHINE, "isa_cap": "avx2"}, ARGS)
     assert "; capped at avx2 by TANDEM_CPU_ISA: tandem and llama.cpp as on an AVX2-only CPU;" in text.splitlines()[0]
     assert "capped" not in table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, MACHINE, ARGS)
+
+
+
+@pytest.mark.parametrize("gguf_blocks", ["4bit", "int8"])
+def test_the_floor_counts_the_weights_in_the_form_tandem_holds(gguf_blocks):
+    """The built-in file's layers in 4 bits (held in stripes, the Nibbles' bytes) or widened to int8,
+    its LM head as Q8_0: what a one-row step streams, named by its form."""
+    from tandem.kernels.cpu_ops import cpu_ops_unavailable
+    from tandem.server.model import load_model
+
+    assert cpu_ops_unavailable() is None, cpu_ops_unavailable()
+    nbytes, form = decode_weight_bytes("builtin:smollm2-135m", "float32", gguf_blocks)
+    assert form == {"4bit": "4-bit-block", "int8": "int8-block"}[gguf_blocks]
+    module = load_model("builtin:smollm2-135m", "float32", "cpu", gguf_blocks=gguf_blocks).module
+    projections = [getattr(layer, name) for layer in module.layers for name in ("qkv", "o", "gate_up", "down")]
+    assert nbytes == sum(p.blocks.nbytes() for p in projections) + module.lm_head.blocks.nbytes()
+    per_weight = sum(p.blocks.nbytes() for p in projections) / sum(p.blocks.dequantize().numel() for p in projections)
+    assert per_weight == (0.625 if gguf_blocks == "4bit" else 1.25)  # with a 16- or 32-bit scale and offset a block
