@@ -115,7 +115,7 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, device: torch.device) -> tuple[str, str]:
     """The dtype of projections over many rows, and why. Only float32 weights on a CPU have a
     choice: bfloat16 there rounds the inputs of prefill products and of decode steps of 5 rows or
-    more (2 or more over 4-bit blocks, held there in stripes: `tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not decode
+    more (2 or more over 4-bit blocks held in stripes: `tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not decode
     attention or smaller decode steps, and the KV cache only as `resolve_kv_dtype` decides), for two
     to three times float32's speed on AVX512-BF16. `auto` takes it only where `--dtype` was auto
     too, so that `--dtype float32` stays exact."""

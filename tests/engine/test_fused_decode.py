@@ -92,9 +92,9 @@ def test_a_fused_step_equals_the_op_by_op_step_bit_for_bit(smollm_fp32, calls, r
 @pytest.mark.parametrize("rows", [1, STRIPES_BFLOAT16_MIN_ROWS, BLOCK_MAX_ROWS])
 def test_with_bfloat16_products_the_fused_step_still_equals_the_op_by_op_step(smollm_fp32, smollm_bf16_prefill, rows):
     """Where the projections multiply steps of STRIPES_BFLOAT16_MIN_ROWS rows or more in bfloat16 (the
-    4-bit blocks held in stripes where the CPU has AVX512-BF16), the fused calls do too: still bit for
-    bit the op-by-op step; below that row count, the float32 model's step within float32's rounding (its
-    blocks are multiplied as Nibbles, these as stripes); from it, not (the rounding happened)."""
+    4-bit blocks in stripes, on a CPU with AVX512-BF16), the fused calls do too: still bit for bit the
+    op-by-op step; below that row count, the float32 model's step within float32's rounding (both
+    multiply the stripes in float32); from it, not (the rounding happened)."""
     model, c = smollm_bf16_prefill.module, smollm_bf16_prefill.config
     native = bfloat16_blocks_unavailable() is None
     assert model.fused_stack is not None and all(layer.fused.bfloat16_rows == (STRIPES_BFLOAT16_MIN_ROWS if native else 0)
