@@ -86,7 +86,7 @@ class Linear:
                  prefill_dtype: torch.dtype | None = None, four_bit: bool = True):
         self.bias = bias
         self.kind = "plain"
-        self.blocks: BlockWeights | Nibbles | Bytes | None = None
+        self.blocks: BlockWeights | Nibbles | NibbleStripes | Bytes | None = None
         self.prefill = None  # Linear over the weight in prefill_dtype, for more than BLOCK_MAX_ROWS rows
         self.bfloat16_blocks = False  # products of bfloat16_min_rows to BLOCK_MAX_ROWS rows in bfloat16
         float32_on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32

@@ -2,7 +2,7 @@
 held in, at the batch sizes a step runs: `F.linear` on the [out, in] weight, `x @ W` on the
 transposed weight, `tandem.kernels.linear.Linear` (oneDNN-packed on CPU where it can take
 the dtype), in float32 and bfloat16, and in float32 also tandem's block kernels over GGUF-style
-blocks, in 4 bits (`block_gemm_q4`, what decode steps of up to 8 rows use for GGUF's Q4 tensors),
+blocks, in 4 bits (`block_gemm_q4`, what decode steps of up to 8 rows use for GGUF's Q4 tensors whose rows do not make whole stripes of 16),
 in 8 bits with float16 scales (`block_gemm_q8`, what they use for Q8_0 tensors, the LM head of the
 built-in model) and as int8 (`block_gemm`), and torch's weight-only int8 kernel (`_weight_int8pack_mm`, per-channel scales). Prints milliseconds per
 product and each form's time over `F.linear`'s, as one JSON line per shape and batch size. Small
