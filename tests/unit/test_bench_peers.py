@@ -119,7 +119,6 @@ def test_under_an_isa_cap_vllm_is_refused_and_the_table_says_so(monkeypatch):
     assert "capped" not in table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, MACHINE, ARGS)
 
 
-
 @pytest.mark.parametrize("gguf_blocks", ["4bit", "int8"])
 def test_the_floor_counts_the_weights_in_the_form_tandem_holds(gguf_blocks):
     """The built-in file's layers in 4 bits (held in stripes, the Nibbles' bytes) or widened to int8,
