@@ -42,11 +42,11 @@
 
 #include <algorithm>
 
+#include "block_tiles_avx512.h"  // TANDEM_AVX512_TARGET
 #include "block_weights.h"
 #include "isa_cap.h"
 
-#define TANDEM_AVX512_F32_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
-#define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define TANDEM_BF16_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 namespace {
 
@@ -119,6 +119,40 @@ void for_each_pass(const Operands<T>& ops, int64_t M, int64_t one_stripe_rows, c
   });
 }
 
+// What the two AVX-512 tiles (float32, bfloat16) do around a block of G stripes: its sums start at 0,
+// and end scaled by the block's scales, plus its offsets (and `Shift` times its scales: the bfloat16
+// form's nibbles are n - Shift) times each row's sum of x, added into the totals (inlined into both).
+template <int N>
+TANDEM_AVX512_TARGET __attribute__((always_inline)) inline void zero(__m512* v) {
+  for (int i = 0; i < N; ++i) v[i] = _mm512_setzero_ps();
+}
+
+template <int Shift, int G, int MT, int P>
+TANDEM_AVX512_TARGET __attribute__((always_inline)) inline void add_block(const uint16_t* scale, const uint16_t* offset,
+                                                                          const float* sums, int64_t nb, int64_t s,
+                                                                          int64_t b, const __m512 (&dot)[G][MT][P],
+                                                                          __m512 (&total)[G][MT]) {
+  for (int g = 0; g < G; ++g) {
+    const int64_t at = ((s + g) * nb + b) * kStripe;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + at)));
+    __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
+    if (Shift != 0) o = _mm512_fmadd_ps(_mm512_set1_ps(Shift), d, o);
+    for (int m = 0; m < MT; ++m) {
+      __m512 sum = dot[g][m][0];
+      for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, dot[g][m][p]);
+      total[g][m] = _mm512_fmadd_ps(d, sum, total[g][m]);
+      total[g][m] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[m * nb + b]), total[g][m]);
+    }
+  }
+}
+
+template <int G, int MT>
+TANDEM_AVX512_TARGET __attribute__((always_inline)) inline void store_totals(float* y, int64_t N, int64_t s,
+                                                                             const __m512 (&total)[G][MT]) {
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MT; ++m) _mm512_storeu_ps(y + m * N + (s + g) * kStripe, total[g][m]);
+}
+
 // ---- float32: x's columns scaled to meet each nibble where it lies
 
 constexpr int kFields = 4;
@@ -150,7 +184,7 @@ Prepared scaled_columns(const at::Tensor& x) {
 
 // Rows [m0, m0 + MT) of x against stripes [s0, s1), G at a time, a stripe to a vector (AVX-512).
 template <int MT, int G>
-TANDEM_AVX512_F32_TARGET void tile_f32(const Operands<float>& ops, int64_t m0, int64_t s0, int64_t s1) {
+TANDEM_AVX512_TARGET void tile_f32(const Operands<float>& ops, int64_t m0, int64_t s0, int64_t s1) {
   const int64_t K = ops.K, nb = K / kBlock;
   const float* x = ops.x + m0 * K;
   const float* sums = ops.sums + m0 * nb;
@@ -160,13 +194,10 @@ TANDEM_AVX512_F32_TARGET void tile_f32(const Operands<float>& ops, int64_t m0, i
                                   _mm512_set1_epi32(0xF000)};
   for (int64_t s = s0; s < s1; s += G) {
     __m512 total[G][MT];
-    for (int g = 0; g < G; ++g)
-      for (int m = 0; m < MT; ++m) total[g][m] = _mm512_setzero_ps();
+    zero<G * MT>(&total[0][0]);
     for (int64_t b = 0; b < nb; ++b) {
       __m512 dot[G][MT][P];
-      for (int g = 0; g < G; ++g)
-        for (int m = 0; m < MT; ++m)
-          for (int p = 0; p < P; ++p) dot[g][m][p] = _mm512_setzero_ps();
+      zero<G * MT * P>(&dot[0][0][0]);
       const uint8_t* qb[G];
       for (int g = 0; g < G; ++g) qb[g] = ops.q + ((s + g) * nb + b) * kBlockBytes;
       prefetch_ahead(ops.q, ops.scale, ops.offset, nb, s, G, b);
@@ -187,20 +218,9 @@ TANDEM_AVX512_F32_TARGET void tile_f32(const Operands<float>& ops, int64_t m0, i
           }
         }
       }
-      for (int g = 0; g < G; ++g) {
-        const int64_t at = ((s + g) * nb + b) * kStripe;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ops.scale + at)));
-        const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ops.offset + at)));
-        for (int m = 0; m < MT; ++m) {
-          __m512 sum = dot[g][m][0];
-          for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, dot[g][m][p]);
-          total[g][m] = _mm512_fmadd_ps(d, sum, total[g][m]);
-          total[g][m] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[m * nb + b]), total[g][m]);
-        }
-      }
+      add_block<0>(ops.scale, ops.offset, sums, nb, s, b, dot, total);
     }
-    for (int g = 0; g < G; ++g)
-      for (int m = 0; m < MT; ++m) _mm512_storeu_ps(ops.y + (m0 + m) * ops.N + (s + g) * kStripe, total[g][m]);
+    store_totals(ops.y + m0 * ops.N, ops.N, s, total);
   }
 }
 
@@ -320,13 +340,10 @@ TANDEM_BF16_TARGET void tile_bf16(const Operands<uint16_t>& ops, int64_t m0, int
   const __m512i table = _mm512_broadcast_i64x4(round16(_mm512_sub_ps(values, eight)));
   for (int64_t s = s0; s < s1; s += G) {
     __m512 total[G][MT];
-    for (int g = 0; g < G; ++g)
-      for (int m = 0; m < MT; ++m) total[g][m] = _mm512_setzero_ps();
+    zero<G * MT>(&total[0][0]);
     for (int64_t b = 0; b < nb; ++b) {
       __m512 dot[G][MT][P];
-      for (int g = 0; g < G; ++g)
-        for (int m = 0; m < MT; ++m)
-          for (int h = 0; h < P; ++h) dot[g][m][h] = _mm512_setzero_ps();
+      zero<G * MT * P>(&dot[0][0][0]);
       const uint8_t* qb[G];
       for (int g = 0; g < G; ++g) qb[g] = ops.q + ((s + g) * nb + b) * kBlockBytes;
       prefetch_ahead(ops.q, ops.scale, ops.offset, nb, s, G, b);
@@ -344,21 +361,9 @@ TANDEM_BF16_TARGET void tile_bf16(const Operands<uint16_t>& ops, int64_t m0, int
           }
         }
       }
-      for (int g = 0; g < G; ++g) {
-        const int64_t at = ((s + g) * nb + b) * kStripe;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ops.scale + at)));
-        const __m512 o = _mm512_fmadd_ps(
-            eight, d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ops.offset + at))));
-        for (int m = 0; m < MT; ++m) {
-          __m512 sum = dot[g][m][0];
-          for (int h = 1; h < P; ++h) sum = _mm512_add_ps(sum, dot[g][m][h]);
-          total[g][m] = _mm512_fmadd_ps(d, sum, total[g][m]);
-          total[g][m] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[m * nb + b]), total[g][m]);
-        }
-      }
+      add_block<8>(ops.scale, ops.offset, sums, nb, s, b, dot, total);  // the nibbles were n - 8
     }
-    for (int g = 0; g < G; ++g)
-      for (int m = 0; m < MT; ++m) _mm512_storeu_ps(ops.y + (m0 + m) * ops.N + (s + g) * kStripe, total[g][m]);
+    store_totals(ops.y + m0 * ops.N, ops.N, s, total);
   }
 }
 
