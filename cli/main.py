@@ -462,8 +462,9 @@ def _add_bench_peers(bench_sub: argparse._SubParsersAction) -> None:
     bpeers.add_argument("--vllm-dtype", action="append", choices=["bfloat16", "float32"],
                         help="vLLM dtypes to run, each its own server (default: both; its best counts)")
     bpeers.add_argument("--repeats", type=int, default=1,
-                        help="runs of the whole workload per system, back to back on one server: the table gives "
-                             "their medians and their spread")
+                        help="runs of the whole workload per system, back to back on one server, each of the same "
+                             "prompt and output lengths with new prompt tokens: the table gives their medians and "
+                             "their spread")
     bpeers.add_argument("--interleave", action="store_true",
                         help="start every server first, then run the systems in turn, repeat by repeat: each "
                              "repeat's figures from the same minutes of the machine")

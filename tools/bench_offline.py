@@ -42,6 +42,13 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     return work
 
 
+def redrawn(work: list, seed: int) -> list:
+    """`work` with new prompt tokens (drawn from `seed`): the same prompt and output lengths, so the
+    same work for a server, but nothing a prefix cache holds from `work`."""
+    rng = random.Random(seed)
+    return [([rng.randint(*VOCAB_RANGE) for _ in prompt], n) for prompt, n in work]
+
+
 def pass_breakdown(passes: list[tuple[int, int, int, float]]) -> dict:
     """Where the forward passes' time went: the passes with prompt pieces (their count, seconds and
     tokens), and the passes of decodes alone by batch size (count and mean milliseconds)."""

