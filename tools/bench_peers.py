@@ -235,7 +235,7 @@ def measure(target: str, model_name: str, tokenizer, works: list, work_c1, concu
     return {
         "tokens_per_s": loaded["output_tokens_per_s"], "ttft_p50_s": loaded["ttft_p50_s"],
         "ttft_mean_s": loaded["ttft_mean_s"], "ttft_p99_s": loaded["ttft_p99_s"], "tpot_p50_ms": loaded["tpot_p50_ms"],
-        "tpot_c1_ms": single["tpot_p50_ms"], "ttft_c1_s": single["ttft_p50_s"],
+        "tpot_c1_ms": single["tpot_p50_ms"], "ttft_c1_s": single["ttft_p50_s"], "loaded_s": loaded["seconds"],
     }
 
 
@@ -370,8 +370,11 @@ def turns(names: list[str], repeats: int, interleave: bool) -> list[tuple[str, i
 
 
 PEERS = ("vLLM", "llama.cpp")
-SPREAD_KEYS = {"tokens_per_s": "output tok/s (c%d)", "ttft_p50_s": "TTFT p50", "tpot_c1_ms": "TPOT (c1)",
-               "core_gflops": "one core's GFLOP/s before"}
+SPREAD_KEYS = {"tokens_per_s": "output tok/s (c%d)", "loaded_s": "c%d run, s", "ttft_p50_s": "TTFT p50",
+               "tpot_c1_ms": "TPOT (c1)", "core_gflops": "one core's GFLOP/s before"}
+# Spreads given in the figure's own unit: the same minutes of a host's jitter are a larger share of a
+# faster system's shorter run, so its run time's range in seconds is the fair comparison.
+ABSOLUTE_SPREAD = {"loaded_s": "{:.2f} s"}
 
 
 def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
@@ -423,13 +426,17 @@ def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
                   f"tok/s {pd['tokens_per_s'] / colo['tokens_per_s']:.2f}x, TPOT (c1) {pd['tpot_c1_ms'] / colo['tpot_c1_ms']:.2f}x"]
     if args.repeats > 1:
         heads = [head % args.concurrency if "%d" in head else head for head in SPREAD_KEYS.values()]
-        lines += ["", f"Spread over the {args.repeats} repeats: min-max, and (max - min) / median", "",
+        lines += ["", f"Spread over the {args.repeats} repeats: min-max, and (max - min) / median (for the run's "
+                  "seconds, max - min)", "",
                   "| system | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
         for name, repeats in runs.items():
             cells = []
             for key in SPREAD_KEYS:
                 values = [r[key] for r in repeats]
-                cells.append(f"{min(values):g}-{max(values):g} ({(max(values) - min(values)) / results[name][key]:.0%})")
+                low, high = min(values), max(values)
+                spread = (ABSOLUTE_SPREAD[key].format(high - low) if key in ABSOLUTE_SPREAD
+                          else f"{(high - low) / results[name][key]:.0%}")
+                cells.append(f"{low:g}-{high:g} ({spread})")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         if interleaved and peers:
             lines += ["", "Each repeat's output tok/s (c%d) over the best peer's in the same repeat:" % args.concurrency, ""]

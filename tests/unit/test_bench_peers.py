@@ -19,7 +19,7 @@ MACHINE = {"cpu_flags": ["avx2"], "cores": 2, "read_gb_s": 25.0, "weights": "flo
 
 def figures(tok_s, ttft, tpot, tpot_c1, gflops=20.0):
     return {"tokens_per_s": tok_s, "ttft_p50_s": ttft, "ttft_mean_s": 1.5 * ttft, "ttft_p99_s": 2 * ttft, "tpot_p50_ms": tpot,
-            "tpot_c1_ms": tpot_c1, "ttft_c1_s": ttft, "core_gflops": gflops}
+            "tpot_c1_ms": tpot_c1, "ttft_c1_s": ttft, "core_gflops": gflops, "loaded_s": round(3000 / tok_s, 2)}
 
 
 def test_ratios_are_against_the_best_peer_figure_of_each_column():
@@ -50,7 +50,7 @@ def test_repeats_give_medians_and_their_spread():
     assert row.startswith("| tandem | 90.0 | 0.500 s |") and "| 33.0 ms |" in row
     assert "medians of 3 back-to-back repeats" in text
     spread = [line for line in text.splitlines() if line.startswith("| tandem |")][1]
-    assert spread == "| tandem | 80-100 (22%) | 0.4-0.6 (40%) | 30-36 (18%) | 20-25 (25%) |"
+    assert spread == "| tandem | 80-100 (22%) | 30-37.5 (7.50 s) | 0.4-0.6 (40%) | 30-36 (18%) | 20-25 (25%) |"
 
 
 def test_interleaved_repeats_take_turns_and_are_paired_with_the_peers():
