@@ -2,7 +2,7 @@
 
 `TANDEM_CPU_ISA=avx2` caps it: tandem then sees and uses what an AVX2-only CPU offers (no AVX-512,
 no AMX, no AVX-VNNI), in its own choices and kernels (`cpu_flags`; csrc/isa_cap.h) and, through
-`apply_isa_cap`, in torch's and oneDNN's. It is for measuring, on a larger CPU, what tandem does on
+`apply_isa_cap`, in torch's, oneDNN's and MKL's. It is for measuring, on a larger CPU, what tandem does on
 the AVX2-only machines it also serves (a Zen 3, say) where none is at hand; the memory system and
 clocks stay the larger machine's.
 """
@@ -47,12 +47,15 @@ def cpu_flags() -> list[str]:
     return cap_flags(listed, isa_cap())
 
 
+# The variables that hold torch's own kernels, oneDNN's and MKL's within each cap.
+LIBRARY_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
 def apply_isa_cap() -> str | None:
-    """Where `TANDEM_CPU_ISA` caps the instruction set, keep torch's own kernels and oneDNN's within
-    it too (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA; a value already set is left alone), for this
-    process and those it starts. Call before torch computes anything. Returns the cap."""
+    """Where `TANDEM_CPU_ISA` caps the instruction set, keep torch's own kernels, oneDNN's and MKL's
+    within it too (`LIBRARY_CAPS`; a value already set is left alone), for this process and those
+    it starts. Call before torch computes anything. Returns the cap."""
     cap = isa_cap()
-    if cap == "avx2":
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+    for name, value in LIBRARY_CAPS.get(cap, {}).items():
+        os.environ.setdefault(name, value)
     return cap

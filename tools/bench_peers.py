@@ -29,10 +29,13 @@ the others idle beside it), so that each repeat's figures come from the same min
 machine's drift; the table then also gives each system's tokens/s over the best peer's in the same
 repeat.
 
-With `TANDEM_CPU_ISA=avx2` in the environment (`tandem.common.cpu`), tandem and llama.cpp run as on
-an AVX2-only CPU (llama.cpp built without AVX-512, tandem's kernels, torch's and oneDNN's within
-AVX2): what such a machine gets, measured on a larger one. vLLM's CPU build picks its own kernels,
-so it is refused then (`--skip-vllm`).
+With `TANDEM_CPU_ISA=avx2` in the environment (`tandem.common.cpu`), every system runs as on an
+AVX2-only CPU: what such a machine gets, measured on a larger one. llama.cpp is built without
+AVX-512; tandem's kernels, torch's and oneDNN's stay within AVX2; vLLM's CPU build, which ships
+its kernels three times (`_C` for AVX512-BF16, `_C_AVX512`, `_C_AVX2`) and picks one, and its
+other paths, by torch's `torch.cpu._is_avx512_supported()` and kin, is started with those answering
+False (a `sitecustomize` on its PYTHONPATH, in each of its processes), torch, oneDNN and MKL held to
+AVX2 by their variables, and is checked, once it answers, to have loaded `_C_AVX2` alone.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
+from tandem.common.cpu import LIBRARY_CAPS
 from tandem.server.edge.allocator import TCMALLOC, find_tcmalloc
 from tandem.tools.bench_offline import make_workload, redrawn
 from tandem.tools.bench_serve import drive, openai_runner
@@ -190,11 +194,57 @@ def export_hf(model: str, out: Path) -> Path:
     return out
 
 
-def start_vllm(python: Path, model_dir: Path, dtype: str, threads: int, port: int, log_path: Path) -> subprocess.Popen:
+# torch's answers to "does this CPU have X" that vLLM's CPU build picks its kernels and paths by.
+VLLM_ABOVE_AVX2 = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+                   "_is_amx_tile_supported", "_is_amx_fp16_supported")
+VLLM_AVX2_SITECUSTOMIZE = f"""\
+# Written by tandem bench peers under TANDEM_CPU_ISA=avx2: vLLM sees an AVX2-only CPU.
+import torch.cpu
+
+for _name in {VLLM_ABOVE_AVX2!r}:
+    if hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+# vLLM's kernel libraries, by the instruction set they were built for.
+VLLM_KERNELS = {"_C.abi3.so": "avx512_bf16", "_C_AVX512.abi3.so": "avx512", "_C_AVX2.abi3.so": "avx2"}
+
+
+def vllm_isa_env(home: Path, cap: str | None) -> dict[str, str]:
+    """What vLLM's processes need in their environment to run as on a CPU capped at `cap` (none
+    where None): torch's, oneDNN's and MKL's variables, and the sitecustomize that makes torch
+    deny the instruction sets above it (written under `home`)."""
+    if cap is None:
+        return {}
+    patch = home / f"vllm-{cap}"
+    patch.mkdir(parents=True, exist_ok=True)
+    (patch / "sitecustomize.py").write_text(VLLM_AVX2_SITECUSTOMIZE)
+    path = os.pathsep.join(p for p in (str(patch), os.environ.get("PYTHONPATH", "")) if p)
+    return {**LIBRARY_CAPS[cap], "PYTHONPATH": path}
+
+
+def vllm_kernels(session: int, proc_root: Path = Path("/proc")) -> set[str]:
+    """The instruction sets of the vLLM kernel libraries that the processes of session `session`
+    (the server, started in a session of its own, and its engine's processes) have loaded."""
+    found = set()
+    for entry in proc_root.iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if not entry.name.isdigit() or int(stat[stat.rindex(")") + 2:].split()[3]) != session:
+                continue
+            maps = (entry / "maps").read_text()
+        except (OSError, ValueError, IndexError):
+            continue
+        found |= {isa for name, isa in VLLM_KERNELS.items() if f"/vllm/{name}" in maps}
+    return found
+
+
+def start_vllm(python: Path, model_dir: Path, dtype: str, threads: int, port: int, log_path: Path,
+               isa_env: dict[str, str] | None = None) -> subprocess.Popen:
     lib = python.parent.parent / "lib" / "libiomp5.so"
     preload = [p for p in (find_tcmalloc(), str(lib)) if p is not None and Path(p).exists()]
     env = {**os.environ, "LD_PRELOAD": ":".join(preload), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
+           **(isa_env or {})}
     # `vllm serve` fails on the distribution's name (vllm-cpu); the module entry point does not.
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
            "smollm2", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
@@ -245,9 +295,7 @@ def run(args, engine_args: list[str]) -> int:
     for name in ("rounds", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)} is invalid: must be >= 1")
-    if (cap := isa_cap()) and not args.skip_vllm:
-        raise SystemExit(f"{ISA_CAP_VARIABLE}={cap} keeps tandem and llama.cpp within {cap}, but vLLM's CPU build "
-                         "picks its own kernels: add --skip-vllm")
+    cap = isa_cap()
     from tandem.kernels.isa import cpu_features, runnable_flags
     from tandem.server.model.loader import resolve_model
     from tandem.server.model.tokenizer import load_tokenizer
@@ -281,9 +329,12 @@ def run(args, engine_args: list[str]) -> int:
         def vllm(dtype: str) -> Callable[[ExitStack], tuple[str, str]]:
             def launch(servers: ExitStack) -> tuple[str, str]:
                 port, log_path = free_port(), logs / f"vllm-{dtype}.log"
-                proc = start_vllm(python, model_dir, dtype, threads, port, log_path)
+                proc = start_vllm(python, model_dir, dtype, threads, port, log_path, vllm_isa_env(home, cap))
                 servers.callback(stop, proc)
                 wait_http_ready(f"http://127.0.0.1:{port}/v1/models", proc, log_path)
+                if cap is not None and (loaded := vllm_kernels(proc.pid)) != {cap}:
+                    raise RuntimeError(f"vLLM was to run as on an {cap.upper()}-only CPU ({ISA_CAP_VARIABLE}={cap}) "
+                                       f"but loaded kernels for {sorted(loaded) or 'nothing'}; its log: {log_path}")
                 return f"127.0.0.1:{port}", "smollm2"
             return launch
 
@@ -399,7 +450,7 @@ def table(runs: dict[str, list[dict]], machine: dict, args) -> str:
     order = "interleaved" if interleaved else "back-to-back"
     lines = [
         f"CPU flags: {' '.join(machine['cpu_flags'])}{f' ({probe})' if (probe := machine.get('isa_probe')) else ''}"
-        f"{f'; capped at {cap} by TANDEM_CPU_ISA: tandem and llama.cpp as on an {cap.upper()}-only CPU' if (cap := machine.get('isa_cap')) else ''}; "
+        f"{f'; capped at {cap} by TANDEM_CPU_ISA: every system as on an {cap.upper()}-only CPU' if (cap := machine.get('isa_cap')) else ''}; "
         f"{machine['cores']} cores; read bandwidth "
         f"{machine['read_gb_s']} GB/s; a decode step streams {machine['decode_weight_mb']} MB of {machine['weights']} "
         f"weights: single-stream floor {machine['tpot_floor_ms']} ms",

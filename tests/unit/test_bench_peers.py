@@ -3,12 +3,17 @@ against colocated, medians and spread over repeats."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from argparse import Namespace
 
 import pytest
+import torch
 
-from tandem.common.cpu import cap_flags, isa_cap
-from tandem.tools.bench_peers import cpu_flags, decode_weight_bytes, run, table, turns, workloads
+from tandem.common.cpu import LIBRARY_CAPS, cap_flags, isa_cap
+from tandem.tools.bench_peers import (VLLM_ABOVE_AVX2, cpu_flags, decode_weight_bytes, run, table, turns, vllm_isa_env,
+                                      vllm_kernels, workloads)
 from tandem.tools.bench_serve import Sample, drive
 
 ARGS = Namespace(num_requests=32, concurrency=8, c1_requests=8, prompt_len=(64, 512), output_len=(64, 128),
@@ -133,15 +138,46 @@ def test_cpu_flags_name_what_this_cpu_has():
     assert ("avx512_bf16" in got) == ("avx512_bf16" in flags)
 
 
-def test_under_an_isa_cap_vllm_is_refused_and_the_table_says_so(monkeypatch):
-    """TANDEM_CPU_ISA=avx2 holds tandem and llama.cpp to AVX2; vLLM's CPU build picks its own kernels,
-    so a run with it is refused before anything starts."""
-    monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
-    with pytest.raises(SystemExit, match="TANDEM_CPU_ISA=avx2 keeps tandem and llama.cpp within avx2.*--skip-vllm"):
-        run(Namespace(**vars(ARGS), skip_vllm=False), [])
+def test_under_an_isa_cap_vllm_sees_an_avx2_only_cpu_and_the_table_says_so(tmp_path, monkeypatch):
+    """TANDEM_CPU_ISA=avx2: vLLM's processes get torch's, oneDNN's and MKL's caps and a sitecustomize
+    under which each of torch's "does this CPU have X above AVX2" answers False (in a child Python,
+    as in vLLM's own); without the cap nothing changes. The table's first line names the cap."""
+    probe = ("import sys, torch.cpu as c; print(sys.modules['sitecustomize'].__file__); print("
+             + " + ".join(f"str(c.{name}())[0]" for name in VLLM_ABOVE_AVX2) + ")")
+    assert vllm_isa_env(tmp_path, None) == {}
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = vllm_isa_env(tmp_path, "avx2")
+    assert {k: env[k] for k in LIBRARY_CAPS["avx2"]} == LIBRARY_CAPS["avx2"]
+    assert env["PYTHONPATH"] == f"{tmp_path / 'vllm-avx2'}{os.pathsep}/elsewhere"
+    capped = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True)
+    assert capped.returncode == 0, capped.stderr
+    assert capped.stdout.split() == [str(tmp_path / "vllm-avx2" / "sitecustomize.py"), "F" * len(VLLM_ABOVE_AVX2)]
+    plain = subprocess.run([sys.executable, "-c", "import torch.cpu as c; print(c._is_avx2_supported())"],
+                           env={**os.environ, **env}, capture_output=True, text=True)
+    assert plain.stdout.strip() == str(torch.cpu._is_avx2_supported())  # what an AVX2 CPU has stays
     text = table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, {**MACHINE, "isa_cap": "avx2"}, ARGS)
-    assert "; capped at avx2 by TANDEM_CPU_ISA: tandem and llama.cpp as on an AVX2-only CPU;" in text.splitlines()[0]
+    assert "; capped at avx2 by TANDEM_CPU_ISA: every system as on an AVX2-only CPU;" in text.splitlines()[0]
     assert "capped" not in table({"tandem": [figures(90.0, 0.4, 80.0, 30.0)]}, MACHINE, ARGS)
+
+
+def test_vllm_kernels_are_read_from_its_sessions_processes(tmp_path):
+    """The kernel libraries vLLM's processes (those of its session) mapped, by instruction set;
+    another session's, and other libraries, do not count."""
+    def process(pid: int, session: int, maps: str) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python3 x) S 1 {session} {session} 0 -1")
+        (tmp_path / str(pid) / "maps").write_text(maps)
+
+    lib = "7f00-7f10 r-xp 0 08:01 1 /venv/lib/python3.11/site-packages/vllm/{}\n"
+    process(100, 100, lib.format("_C_AVX2.abi3.so") + lib.format("../torch/lib/libtorch_cpu.so"))
+    process(101, 100, lib.format("_moe_C.abi3.so"))
+    process(200, 200, lib.format("_C.abi3.so"))
+    (tmp_path / "self").mkdir()
+    assert vllm_kernels(100, tmp_path) == {"avx2"}
+    assert vllm_kernels(200, tmp_path) == {"avx512_bf16"}
+    process(102, 100, lib.format("_C_AVX512.abi3.so"))
+    assert vllm_kernels(100, tmp_path) == {"avx2", "avx512"}
+    assert vllm_kernels(300, tmp_path) == set()
 
 
 @pytest.mark.parametrize("gguf_blocks", ["4bit", "int8"])

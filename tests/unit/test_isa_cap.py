@@ -46,16 +46,18 @@ def test_cpu_flags_are_capped(monkeypatch, tmp_path):
     assert cpu.cpu_flags() == AVX2_ONLY
 
 
-def test_torch_and_onednn_are_capped_unless_told_otherwise(monkeypatch):
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+def test_torch_onednn_and_mkl_are_capped_unless_told_otherwise(monkeypatch):
+    names = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+    for name in names:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv(ISA_CAP_VARIABLE, raising=False)
     assert apply_isa_cap() is None
-    assert "ATEN_CPU_CAPABILITY" not in os.environ and "ONEDNN_MAX_CPU_ISA" not in os.environ
+    assert not any(name in os.environ for name in names)
     monkeypatch.setenv(ISA_CAP_VARIABLE, "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # the user's own choice stays
     assert apply_isa_cap() == "avx2"
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2" and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
+    assert os.environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
 
 
 def test_the_command_refuses_a_wrong_cap_before_anything_runs(monkeypatch, capsys):
