@@ -227,9 +227,11 @@ def vllm_kernels(session: int, proc_root: Path = Path("/proc")) -> set[str]:
     (the server, started in a session of its own, and its engine's processes) have loaded."""
     found = set()
     for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             stat = (entry / "stat").read_text()
-            if not entry.name.isdigit() or int(stat[stat.rindex(")") + 2:].split()[3]) != session:
+            if int(stat[stat.rindex(")") + 2:].split()[3]) != session:  # after "pid (comm) ": state ppid pgrp session
                 continue
             maps = (entry / "maps").read_text()
         except (OSError, ValueError, IndexError):
