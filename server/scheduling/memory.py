@@ -101,10 +101,12 @@ class KVMemory:
 
     # -- caching and release ----------------------------------------------------------------------
     def cache_computed(self, req: Request) -> None:
-        """Hand the whole pages of `req`'s computed tokens to the prefix cache and pin them for it."""
+        """Hand the whole pages of `req`'s cacheable tokens (`Request.num_cacheable`: computed, or
+        being computed, with known ids) to the prefix cache and pin them for it. Safe at any moment,
+        a step in flight or not."""
         if isinstance(self.cache, ChunkCache):
             return
-        n = req.num_computed // self.page_size
+        n = req.num_cacheable // self.page_size
         if n <= req.cached_pages:
             return
         keys = req.token_ids[: n * self.page_size]
@@ -155,3 +157,19 @@ class KVMemory:
         for r in holders:
             assert set(r.pages[: r.cached_pages]) <= cached_set, f"request {r.rid} pins pages the cache lost"
             assert self.slots.holder(r.slot) is r, f"slot {r.slot} is not {r.rid}'s"
+            check_counts(r, self.page_size)
+
+
+def check_counts(req: Request, page_size: int) -> None:
+    """What a request holding a slot may say of itself at any moment, a step in flight or not
+    (Request's rule): its pages cover what is computed, its cached pages only known tokens."""
+    known, computed = len(req.token_ids), req.num_computed
+    assert computed <= known + 1 and (req.finished or computed <= req.num_tokens), (
+        f"request {req.rid}: {computed} tokens computed, {known} known, {req.sampling} being sampled"
+    )
+    assert req.cached_pages * page_size <= req.num_cacheable, (
+        f"request {req.rid} pins {req.cached_pages} cached pages for {req.num_cacheable} cacheable tokens"
+    )
+    assert len(req.pages) * page_size >= computed, (
+        f"request {req.rid}: {computed} tokens computed in {len(req.pages)} pages of {page_size}"
+    )

@@ -76,6 +76,14 @@ class Request:
     pages: list[int] = field(default_factory=list)
     cached_pages: int = 0
     cache_node: object = None
+    # While steps are launched and not yet updated (overlap scheduling) the counts run ahead of what
+    # is known, by one rule: `num_computed` counts the positions launched steps write, `sampling` the
+    # tokens they sample, and `token_ids` holds only tokens already sampled. A decode planned while
+    # the step before still samples its input token reads FUTURE_TOKEN at position len(token_ids),
+    # so num_computed may pass len(token_ids) by one (never by more: one step is in flight at a
+    # time). Whatever is keyed by token ids (the prefix cache, a prefill's KV sent on) takes only
+    # `num_cacheable` positions, on every path that may run in that window: aborts, disconnects,
+    # peer loss, retraction, stop strings and grammar ends, drain.
     num_computed: int = 0  # leading tokens whose KV is in `pages`, or being written by a launched step
     # Tokens launched forward passes sample for this request, not yet known (0, or 1 or 2 under
     # overlap scheduling): they count in `num_tokens` (and `num_output`) and join `token_ids` at
@@ -90,6 +98,12 @@ class Request:
     def num_tokens(self) -> int:
         """Tokens of the request, those being sampled included."""
         return len(self.token_ids) + self.sampling
+
+    @property
+    def num_cacheable(self) -> int:
+        """Leading positions whose KV is written (or being written by a launched step, which every
+        later reader runs after) and whose token ids are known: what may be shared by those ids."""
+        return min(self.num_computed, len(self.token_ids))
 
     @property
     def num_output(self) -> int:
