@@ -214,7 +214,9 @@ def _server_container(inst: Instance, pool: str) -> dict:
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "HOME", "value": CACHE_DIR}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-           {"name": "HF_HUB_OFFLINE", "value": "1"}]
+           {"name": "HF_HUB_OFFLINE", "value": "1"},
+           # On the cache emptyDir, which outlives the container restarts an engine failure causes.
+           {"name": "TANDEM_CRASH_LOG", "value": f"{CACHE_DIR}/engine-crashes.log"}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": CACHE_DIR},
               {"name": "tmp", "mountPath": "/tmp"},
               {"name": "bootstrap-token", "mountPath": BOOTSTRAP_TOKEN_DIR, "readOnly": True}]

@@ -32,3 +32,11 @@ def with_preload(library: str) -> dict[str, str]:
     kept after it) and TANDEM_PRELOADED_ALLOCATOR naming it: the re-execution's environment."""
     preloaded = os.environ.get("LD_PRELOAD", "")
     return {**os.environ, PRELOADED_ALLOCATOR: library, "LD_PRELOAD": f"{library}:{preloaded}" if preloaded else library}
+
+
+def crash_log() -> Path | None:
+    """TANDEM_CRASH_LOG: a file where `tandem serve` records each engine failure, one line each, and
+    counts the earlier ones at start (`tandem_engine_crashes_total`); on Kubernetes it lies in an
+    emptyDir, which outlives the container restarts a crash causes. Unset: nothing recorded."""
+    path = os.environ.get("TANDEM_CRASH_LOG")
+    return Path(path) if path else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -119,6 +119,10 @@ class Metrics(StatsObserver):
         self.kv_transfer = histogram(
             "tandem_kv_transfer_latency_seconds", "One request's KV transfer: the write (prefill), registration to arrival (decode)"
         )
+        self.crashes = Counter(
+            "tandem_engine_crashes", "Times the engine stopped on a failure (a crashed loop, a failed overlapped "
+            "pass, a lost tensor-parallel rank), earlier containers of the pod included where TANDEM_CRASH_LOG is set",
+            LABELS, registry=self.registry).labels(*self.labels)
         self.registry.register(_SnapshotCollector(lambda: self._snapshot(), self.labels))
 
     def bind(self, snapshot: Callable[[], EngineSnapshot]) -> None:
@@ -146,7 +150,7 @@ class Metrics(StatsObserver):
 
 def exported_metric_names() -> set[str]:
     """Every metric family name this module exports (dashboards and tests check against it)."""
-    names = set(GAUGES) | {f"{n}_total" for n in (*COUNTERS, *LABELLED_COUNTERS)}
+    names = set(GAUGES) | {f"{n}_total" for n in (*COUNTERS, *LABELLED_COUNTERS, "tandem_engine_crashes")}
     for h in ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "queue_time", "kv_transfer_latency"):
         names |= {f"tandem_{h}_seconds_{s}" for s in ("bucket", "sum", "count")}
     return names

@@ -5,8 +5,11 @@ Lifecycle: load the model (nothing listens yet, so clients see UNAVAILABLE) -> s
 SERVING) -> on SIGTERM or SIGINT drain: new requests get UNAVAILABLE, health turns NOT_SERVING,
 in-flight requests get `drain_grace_seconds` to finish (a prefill also tells its decode peers it
 is leaving; a decode tells its prefill peers when it exits), the rest are aborted, exit 0. When
-the engine fails (a tensor-parallel rank dies), health turns NOT_SERVING at once, in-flight
-requests end with INTERNAL and the process exits 1, so that Kubernetes restarts the pod.
+the engine fails (its loop crashed, an overlapped forward pass failed, a tensor-parallel rank
+died), health turns NOT_SERVING and new requests get UNAVAILABLE at that moment, on the failing
+thread and before any open request is ended; in-flight requests end with INTERNAL naming the
+failure, `tandem_engine_crashes_total` counts it (across the pod's container restarts with
+TANDEM_CRASH_LOG) and the process exits 1, so that Kubernetes restarts the container.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.server.config import DisaggConfig, EngineConfig, ServeConfig
+from tandem.server.env import crash_log
 from tandem.server.edge.allocator import describe as describe_allocator
+from tandem.server.edge.crashes import CrashLog
 from tandem.server.edge.tls import ServerCertificates, bind
 
 log = logging.getLogger("tandem.serve")
@@ -55,7 +60,10 @@ class Server:
         self.state = ServingState()
         name = config.served_model_name or resolve_model(engine_config.model).name
         self.metrics = Metrics(disagg.role, name)
-        self.engine = Engine(engine_config, observer=self.metrics, disagg=disagg, host=config.host, port=config.port)
+        self.crash_log = CrashLog(crash_log())
+        self.metrics.crashes.inc(len(self.crash_log.earlier))
+        self.engine = Engine(engine_config, observer=self.metrics, disagg=disagg, host=config.host, port=config.port,
+                             on_failure=self._engine_failed)
         model = self.engine.model
         self.metrics.bind(lambda: self.engine.snapshot)
         tokenizer_path = str(tokenizer_dir(model.source).resolve())
@@ -82,6 +90,7 @@ class Server:
         if bound == 0:
             raise OSError(f"--port {config.port}: cannot listen on {config.host}:{config.port}")
         self._stopped = threading.Event()
+        self._stopping: str | None = None  # "drain" or "failure" once one of them has begun to stop the server
 
     def start(self) -> None:
         self.engine.start()
@@ -99,8 +108,9 @@ class Server:
 
     def drain(self) -> None:
         """Stop admitting, let in-flight requests finish within the grace period, then stop."""
-        if self.state.draining:
+        if self._stopping is not None or self.state.draining:
             return
+        self._stopping = "drain"
         self.state.drain()
         self.health.enter_graceful_shutdown()
         log.info("draining: refusing new requests, %.0fs for in-flight ones", self.config.drain_grace_seconds)
@@ -123,17 +133,24 @@ class Server:
         """Until the server has stopped: 0 after a drain, 1 when the engine failed (a lost
         tensor-parallel rank), which the exit status reports so that the pod restarts."""
         while not self._stopped.wait(0.2):
-            if self.engine.failure and not self.state.draining:
+            if self.engine.failure and self._stopping is None:
                 self._fail()
         return 1 if self.engine.failure else 0
+
+    def _engine_failed(self, reason: str) -> None:
+        """From the failing engine's thread, before it ends the open requests: out of rotation now
+        (the router and readiness probes see NOT_SERVING; Generate answers UNAVAILABLE)."""
+        self.state.drain()
+        for service in ("", "sglang.grpc.scheduler.SglangScheduler"):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.metrics.crashes.inc()
+        self.crash_log.record(reason)
 
     def _fail(self) -> None:
         """The engine failed: health NOT_SERVING at once, new requests refused; the open ones have
         ended with an error already (the engine closed them), so stop without a grace period."""
+        self._stopping = "failure"
         log.error("stopping: %s", self.engine.failure)
-        self.state.drain()
-        for service in ("", "sglang.grpc.scheduler.SglangScheduler"):
-            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine.shutdown()
         self.grpc.stop(grace=2.0).wait()
         self.metrics_server[0].shutdown()

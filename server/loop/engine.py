@@ -79,7 +79,8 @@ class Engine:
     statistics. Nothing runs until `start()` (or `with Engine(...)`)."""
 
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, observer: StatsObserver | None = None,
-                 disagg: DisaggConfig | None = None, host: str = "127.0.0.1", port: int | None = None):
+                 disagg: DisaggConfig | None = None, host: str = "127.0.0.1", port: int | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         config.validate()
         disagg = disagg or DisaggConfig()
         disagg.validate()
@@ -89,6 +90,10 @@ class Engine:
         self.observer = observer or StatsObserver()
         self.inbox = Inbox()
         self.failure: str | None = None  # why the loop failed (a lost tensor-parallel rank), None while it has not
+        # Told once, at the moment the engine fails, on the failing thread, before any open request
+        # is ended: a server stops routing to itself there (`Server._engine_failed`).
+        self.on_failure = on_failure
+        self._failure_lock = threading.Lock()
         self.ranks: RankPool | None = None  # tensor-parallel ranks 1..N-1, with --tp-size > 1
         overlap = overlap_scheduling(config, model.device if model is not None else resolve_device(config.device),
                                      disagg.role)
@@ -263,10 +268,22 @@ class Engine:
     def fail(self, reason: str) -> None:
         """From any thread: the engine cannot go on (a tensor-parallel rank is gone). The loop
         stops and every open request ends with an error naming `reason`."""
-        if self.failure is None:
-            self.failure = reason
+        if self._failing(reason):
             log.error("engine failing: %s", reason)
         self.inbox.stop()
+
+    def _failing(self, reason: str) -> bool:
+        """Record the first failure and tell `on_failure`; False for any later one."""
+        with self._failure_lock:
+            if self.failure is not None:
+                return False
+            self.failure = reason
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # the failure itself must still end every open request
+                log.exception("on_failure raised")
+        return True
 
     def wake(self) -> None:
         """From any thread: make the loop look at its connector now."""
@@ -295,8 +312,9 @@ class Engine:
             while self._started and not self.steps.stopping and self.apply_inbox(self._idle_timeout()):
                 self.steps.step()
         except BaseException as e:
-            self.failure = self.failure or f"engine loop crashed: {type(e).__name__}: {e}"
-            log.exception("engine loop crashed")
+            where = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
+            self._failing(f"engine loop crashed: {type(e).__name__}: {e}{where}")
+            log.exception("engine loop crashed%s", where)
             raise
         finally:
             self._close(self.inbox.close())
@@ -348,6 +366,15 @@ class Engine:
         return True
 
     def _apply(self, message: Message) -> None:
+        try:
+            self._apply_one(message)
+        except Exception as e:  # the loop crashes: name the request it was handling
+            rid = message.rid if isinstance(message, Abort) else message.stream.rid if isinstance(message, Add) else None
+            if rid is not None:
+                e.add_note(f"while {'aborting' if isinstance(message, Abort) else 'adding'} request {rid}")
+            raise
+
+    def _apply_one(self, message: Message) -> None:
         if isinstance(message, Add):
             self.outputs.open(message.stream)
             self.connector.add(message.stream.request)

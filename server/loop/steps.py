@@ -98,8 +98,12 @@ class Steps:
             outputs.publish(req)
 
     def update(self, plan: StepPlan, out: StepOutput) -> None:
-        for req in self.engine.scheduler.update(plan, out):
-            self.engine.outputs.publish(req)
+        try:
+            for req in self.engine.scheduler.update(plan, out):
+                self.engine.outputs.publish(req)
+        except Exception as e:  # the loop crashes: name the step's requests
+            e.add_note(f"while updating a step of requests {', '.join(seq.rid for seq in plan.seqs)}")
+            raise
 
     def step_failed(self, plan: StepPlan, error: Exception) -> None:
         """Fail the step's requests and keep serving; or, where other work already depends on the

@@ -468,7 +468,7 @@ def test_prometheus_rule(chart, custom_docs, default_docs):
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["metadata"]["labels"]["release"] == "prometheus"
     alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
-    assert set(alerts) == {"TandemKVTransferFailures", "TandemBootstrapFailures", "TandemWaitingQueueHigh",
+    assert set(alerts) == {"TandemKVTransferFailures", "TandemEngineCrashed", "TandemBootstrapFailures", "TandemWaitingQueueHigh",
                            "TandemWaitingQueueGrowing", "TandemAutoscalerUnhealthy"}
     for alert in alerts.values():
         assert set(alert) == {"alert", "expr", "for", "labels", "annotations"}
@@ -481,6 +481,9 @@ def test_prometheus_rule(chart, custom_docs, default_docs):
     assert "more than 20 waiting requests for 3m" in high["annotations"]["description"]
     assert "deriv(tandem_num_requests_waiting[10m])" in alerts["TandemWaitingQueueGrowing"]["expr"]
     assert "increase(tandem_kv_transfer_failures_total[5m])" in alerts["TandemKVTransferFailures"]["expr"]
+    crashed = alerts["TandemEngineCrashed"]
+    assert "increase(tandem_engine_crashes_total[15m])" in crashed["expr"]
+    assert (crashed["for"], crashed["labels"]["severity"]) == ("0m", "critical")
     unhealthy = alerts["TandemAutoscalerUnhealthy"]
     assert unhealthy["expr"] == "min by (namespace, service, pool) (tandem_autoscaler_healthy) == 0"
     assert (unhealthy["for"], unhealthy["labels"]["severity"]) == ("10m", "warning")

@@ -166,14 +166,15 @@ def test_checker_catches_unknown_metric_names():
 
 def test_alert_rules_use_only_exported_metrics():
     rules = rendered_rules()
-    assert {r["alert"] for r in rules} == {"TandemKVTransferFailures", "TandemBootstrapFailures",
+    assert {r["alert"] for r in rules} == {"TandemKVTransferFailures", "TandemEngineCrashed", "TandemBootstrapFailures",
                                            "TandemWaitingQueueHigh", "TandemWaitingQueueGrowing",
                                            "TandemAutoscalerUnhealthy"}
     exprs_ = [r["expr"] for r in rules]
     assert all(dashboards.metric_names(e) for e in exprs_)
     assert unknown_metrics(exprs_) == {}, "alert rules name metrics no tandem code exports"
     names = set().union(*(dashboards.metric_names(e) for e in exprs_))
-    assert {"tandem_kv_transfer_failures_total", "tandem_num_requests_waiting", "tandem_autoscaler_healthy"} <= names
+    assert {"tandem_kv_transfer_failures_total", "tandem_engine_crashes_total", "tandem_num_requests_waiting",
+            "tandem_autoscaler_healthy"} <= names
 
 
 # --------------------------------------------------------------------------------------------- promised panels

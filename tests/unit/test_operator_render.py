@@ -303,3 +303,15 @@ def test_key_flags_are_the_specs_not_extra_args():
     with pytest.raises(SpecError) as e:
         instance("minimal", router={"extraArgs": ["--api-key", "x"]})
     assert e.value.path == "spec.router.extraArgs[0]"
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_servers_record_engine_failures_on_the_cache_volume(pool):
+    """TANDEM_CRASH_LOG lies on an emptyDir, so a restarted container still counts the failure that
+    restarted it (tandem_engine_crashes_total, the TandemEngineCrashed alert)."""
+    sts = render.render_statefulset(instance("minimal"), pool)
+    c = container(sts)
+    path = {e["name"]: e.get("value") for e in c["env"]}["TANDEM_CRASH_LOG"]
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert "emptyDir" in volume and not mount.get("readOnly")
