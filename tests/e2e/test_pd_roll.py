@@ -8,8 +8,12 @@ all four. Each ends with every server holding no request, queue entry or KV page
 
 from __future__ import annotations
 
+import concurrent.futures
+import http.client
+import json
 import random
 import signal
+import socket
 import threading
 import time
 
@@ -195,3 +199,57 @@ def test_rolling_restart_of_both_pools_under_load(stack, capsys):
     assert not failures, (f"{len(failures)} failed, from {failures[0][0] - t0:.1f}s to {failures[-1][0] - t0:.1f}s; "
                           f"restarts (began, serving): {windows}; first: {failures[0][1]} {failures[0][2][:300]}")
     assert_all_freed(stack.servers)
+
+
+def chat(router: Router, question: str, cancel_after: float | None) -> str:
+    """One streamed chat completion through `router`: "ok" when it streamed to [DONE] with no error,
+    "cancelled" when this client hung up after `cancel_after` seconds (closing its socket, as a
+    browser tab does), else what went wrong."""
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=120)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "stream": True,
+            "max_tokens": 48, "temperature": 0}
+    timer = None
+    if cancel_after is not None:
+        timer = threading.Timer(cancel_after, lambda: conn.sock and conn.sock.shutdown(socket.SHUT_RDWR))
+        timer.start()
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        text = response.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException) as e:
+        return "cancelled" if cancel_after is not None else f"{type(e).__name__}: {e}"
+    finally:
+        if timer is not None:
+            timer.cancel()
+        conn.close()
+    if response.status == 200 and text.rstrip().endswith("data: [DONE]") and '"error"' not in text:
+        return "ok"
+    if cancel_after is not None and response.status == 200:
+        return "cancelled"  # hung up mid-stream: what was read ends short
+    return f"HTTP {response.status}: {text[:300]}"
+
+
+def test_client_cancels_after_a_prefill_restart(stack, capsys):
+    """Issue 65's run: the prefill SIGKILLed and restarted at its address, then 120 streamed chat
+    requests at concurrency 12, every third cancelled by its client 0.5-2 s after it started.
+    Every request nobody cancelled succeeds, neither server's engine fails, and both hold nothing
+    after."""
+    rng = random.Random(65)
+    prefill, decode = stack.prefills[0], stack.decodes[0]
+    prefill.restart(signal.SIGKILL)
+    first_success_after(stack.one_by_one, rng)
+    topics = ["KV caches", "the sea", "prime numbers", "bread", "Kubernetes", "owls", "rain", "chess"]
+    plans = [(f"Tell me about {rng.choice(topics)} in {rng.randrange(2, 9)} sentences.",
+              rng.uniform(0.5, 2.0) if i % 3 == 0 else None) for i in range(120)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(lambda plan: chat(stack.one_by_one, *plan), plans, timeout=600))
+    kept = [o for o, (_, cancel) in zip(outcomes, plans) if cancel is None]
+    with capsys.disabled():
+        print(f"\n120 chats after a prefill SIGKILL, every third cancelled: {kept.count('ok')}/{len(kept)} kept ones "
+              f"succeeded, {outcomes.count('cancelled')} cancelled")
+    assert kept.count("ok") == len(kept) == 80, [o for o in kept if o != "ok"][:3]
+    for server in (prefill, decode):
+        assert server.proc.poll() is None, f"{server.role} exited"
+        assert counter(server, "tandem_engine_crashes_total") == 0
+        assert "engine loop crashed" not in server.log_path.read_text()
+    assert_all_freed([prefill, decode])
