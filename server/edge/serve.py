@@ -130,8 +130,9 @@ class Server:
         self._stopped.set()
 
     def wait(self) -> int:
-        """Until the server has stopped: 0 after a drain, 1 when the engine failed (a lost
-        tensor-parallel rank), which the exit status reports so that the pod restarts."""
+        """Until the server has stopped: 0 after a drain, 1 when the engine failed (its loop crashed,
+        a forward pass or a tensor-parallel rank failed), which the exit status reports so that the
+        container restarts."""
         while not self._stopped.wait(0.2):
             if self.engine.failure and self._stopping is None:
                 self._fail()
@@ -147,8 +148,8 @@ class Server:
         self.crash_log.record(reason)
 
     def _fail(self) -> None:
-        """The engine failed: health NOT_SERVING at once, new requests refused; the open ones have
-        ended with an error already (the engine closed them), so stop without a grace period."""
+        """The engine failed: `_engine_failed` took the server out of rotation already and the open
+        requests have ended with an error (the engine closed them), so stop without a grace period."""
         self._stopping = "failure"
         log.error("stopping: %s", self.engine.failure)
         self.engine.shutdown()

@@ -81,9 +81,9 @@ class Request:
     # tokens they sample, and `token_ids` holds only tokens already sampled. A decode planned while
     # the step before still samples its input token reads FUTURE_TOKEN at position len(token_ids),
     # so num_computed may pass len(token_ids) by one (never by more: one step is in flight at a
-    # time). Whatever is keyed by token ids (the prefix cache, a prefill's KV sent on) takes only
-    # `num_cacheable` positions, on every path that may run in that window: aborts, disconnects,
-    # peer loss, retraction, stop strings and grammar ends, drain.
+    # time). Whatever is keyed by token ids (the prefix cache) takes only `num_cacheable`
+    # positions, on every path that may run in that window: aborts, disconnects, peer loss,
+    # retraction, stop strings and grammar ends, drain (all free through KVMemory.release).
     num_computed: int = 0  # leading tokens whose KV is in `pages`, or being written by a launched step
     # Tokens launched forward passes sample for this request, not yet known (0, or 1 or 2 under
     # overlap scheduling): they count in `num_tokens` (and `num_output`) and join `token_ids` at
