@@ -134,9 +134,9 @@ class Server:
         a forward pass or a tensor-parallel rank failed), which the exit status reports so that the
         container restarts."""
         while not self._stopped.wait(0.2):
-            if self.engine.failure and self._stopping is None:
+            if self.engine.failed.reason and self._stopping is None:
                 self._fail()
-        return 1 if self.engine.failure else 0
+        return 1 if self.engine.failed.reason else 0
 
     def _engine_failed(self, reason: str) -> None:
         """From the failing engine's thread, before it ends the open requests: out of rotation now
@@ -151,7 +151,7 @@ class Server:
         """The engine failed: `_engine_failed` took the server out of rotation already and the open
         requests have ended with an error (the engine closed them), so stop without a grace period."""
         self._stopping = "failure"
-        log.error("stopping: %s", self.engine.failure)
+        log.error("stopping: %s", self.engine.failed.reason)
         self.engine.shutdown()
         self.grpc.stop(grace=2.0).wait()
         self.metrics_server[0].shutdown()

@@ -14,7 +14,7 @@ instead of spinning. Measured on 2 cores (`tandem bench serve --concurrency 1 --
 the model loaded on the caller's thread, 61 ms with it loaded here.
 
 With `--tp-size N`, ranks 1..N-1 run in processes of their own (`tandem.server.parallel`): this
-engine is rank 0, hands each forward pass to them, and fails (`failure`, every open request ends
+engine is rank 0, hands each forward pass to them, and fails (`failed`, every open request ends
 with an error) when one of them is lost.
 
 One iteration of the loop: apply the inbox, then one step (`steps.py`): poll the KV connector ->
@@ -40,7 +40,8 @@ from tandem.server.disagg.layout import KVLayout
 from tandem.server.kvcache.kv_events import KvEventPublisher, Subscription
 from tandem.server.loop.cuda_graphs import capture_decode_graphs
 from tandem.server.loop.grammar import GrammarCompiler
-from tandem.server.loop.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake
+from tandem.server.loop.failure import Failure, crash_reason
+from tandem.server.loop.inbox import Abort, Add, Call, Inbox, Message, Stop, Wake, handling
 from tandem.server.loop.intake import Intake, RequestStream
 from tandem.server.loop.kv_pool import kv_bytes_per_token, kv_layout, num_kv_pages
 from tandem.server.loop.output_processor import OutputProcessor
@@ -89,11 +90,7 @@ class Engine:
         self.config = config
         self.observer = observer or StatsObserver()
         self.inbox = Inbox()
-        self.failure: str | None = None  # why the loop failed (a lost tensor-parallel rank), None while it has not
-        # Told once, at the moment the engine fails, on the failing thread, before any open request
-        # is ended: a server stops routing to itself there (`Server._engine_failed`).
-        self.on_failure = on_failure
-        self._failure_lock = threading.Lock()
+        self.failed = Failure(on_failure)  # why the engine failed; `on_failure` is told before any request ends
         self.ranks: RankPool | None = None  # tensor-parallel ranks 1..N-1, with --tp-size > 1
         overlap = overlap_scheduling(config, model.device if model is not None else resolve_device(config.device),
                                      disagg.role)
@@ -268,22 +265,9 @@ class Engine:
     def fail(self, reason: str) -> None:
         """From any thread: the engine cannot go on (a tensor-parallel rank is gone). The loop
         stops and every open request ends with an error naming `reason`."""
-        if self._failing(reason):
+        if self.failed.record(reason):
             log.error("engine failing: %s", reason)
         self.inbox.stop()
-
-    def _failing(self, reason: str) -> bool:
-        """Record the first failure and tell `on_failure`; False for any later one."""
-        with self._failure_lock:
-            if self.failure is not None:
-                return False
-            self.failure = reason
-        if self.on_failure is not None:
-            try:
-                self.on_failure(reason)
-            except Exception:  # the failure itself must still end every open request
-                log.exception("on_failure raised")
-        return True
 
     def wake(self) -> None:
         """From any thread: make the loop look at its connector now."""
@@ -312,9 +296,8 @@ class Engine:
             while self._started and not self.steps.stopping and self.apply_inbox(self._idle_timeout()):
                 self.steps.step()
         except BaseException as e:
-            where = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
-            self._failing(f"engine loop crashed: {type(e).__name__}: {e}{where}")
-            log.exception("engine loop crashed%s", where)
+            self.failed.record(reason := crash_reason(e))
+            log.exception("%s", reason)
             raise
         finally:
             self._close(self.inbox.close())
@@ -341,8 +324,8 @@ class Engine:
                 self.outputs.open(message.stream)
             elif isinstance(message, Call):
                 message.future.set_exception(RuntimeError("the engine is shut down"))
-        if self.failure:  # the server failed them: an error, not a client's abort
-            self.outputs.close_all(f"the server failed: {self.failure}", "internal")
+        if self.failed.reason:  # the server failed them: an error, not a client's abort
+            self.outputs.close_all(f"the server failed: {self.failed.reason}", "internal")
         else:
             self.outputs.close_all("engine stopped")
         self.kv_events.publish()
@@ -361,20 +344,16 @@ class Engine:
         while message is not None:
             if isinstance(message, Stop):
                 return False
-            self._apply(message)
+            try:
+                self._apply(message)
+            except Exception as e:  # the loop crashes: name the request it was handling
+                if (what := handling(message)) is not None:
+                    e.add_note(what)
+                raise
             message = self.inbox.get(0)
         return True
 
     def _apply(self, message: Message) -> None:
-        try:
-            self._apply_one(message)
-        except Exception as e:  # the loop crashes: name the request it was handling
-            rid = message.rid if isinstance(message, Abort) else message.stream.rid if isinstance(message, Add) else None
-            if rid is not None:
-                e.add_note(f"while {'aborting' if isinstance(message, Abort) else 'adding'} request {rid}")
-            raise
-
-    def _apply_one(self, message: Message) -> None:
         if isinstance(message, Add):
             self.outputs.open(message.stream)
             self.connector.add(message.stream.request)

@@ -47,6 +47,15 @@ class Stop:
 Message = Union[Add, Abort, Call, Wake, Stop]
 
 
+def handling(message: Message) -> str | None:
+    """What applying `message` is doing, naming its request (for a crash's log and errors)."""
+    if isinstance(message, Abort):
+        return f"while aborting request {message.rid}"
+    if isinstance(message, Add):
+        return f"while adding request {message.stream.rid}"
+    return None
+
+
 class Inbox:
     def __init__(self):
         self._queue: queue.Queue[Message] = queue.Queue()

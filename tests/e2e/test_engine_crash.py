@@ -45,12 +45,12 @@ def test_a_crashed_loop_leaves_rotation_first_ends_every_request_and_is_counted(
         assert crashes_metric(server) == 1, "the earlier container's failure is counted from the start"
         seen_at_failure = []
 
-        def on_failure(reason, told=engine.on_failure):
+        def on_failure(reason, told=engine.failed.on_failure):
             told(reason)
             # What the router sees at the moment open requests are about to end.
             seen_at_failure.append((health(server), server.state.draining, list(engine.outputs._live)))
 
-        engine.on_failure = on_failure
+        engine.failed.on_failure = on_failure
         streams = [engine.submit([1000 + i] * 20, LONG) for i in range(3)]
         next(iter(streams[0]))  # running
 

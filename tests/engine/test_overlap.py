@@ -48,7 +48,7 @@ def test_a_failed_pass_fails_the_overlapped_engine(smollm_fp32):
         results = [s.result() for s in [engine.submit(PROMPT, GREEDY), engine.submit(PROMPT[::-1], GREEDY)]]
         engine._thread.join(30)
         assert not engine._thread.is_alive(), "the loop went on after the failed pass"
-    assert engine.failure and "forward pass failed: RuntimeError: injected" in engine.failure
+    assert engine.failed.reason and "forward pass failed: RuntimeError: injected" in engine.failed.reason
     for r in results:
         assert r.finish_reason == "abort" and r.error_code == "internal" and "injected" in r.error, r
 
@@ -66,4 +66,4 @@ def test_a_failed_pass_fails_only_its_requests_in_the_plain_loop(make_engine):
     assert engine.call(lambda: engine.memory.cache.num_pages) == 0, "the failed prefill's pages were cached"
     again = engine.submit(PROMPT, GREEDY).result()
     assert again.output_ids == want and again.cached_tokens == 0
-    assert len(seen) > 1 and engine.failure is None
+    assert len(seen) > 1 and engine.failed.reason is None

@@ -39,9 +39,8 @@ def collect_engines_now():
 def ahead_of_known(req, at_boundary: bool):
     """The window's state for `req`: a launched step reads the token the step before is still
     sampling; `at_boundary`: that token is the first of a page."""
-    r = req
-    ahead = r.num_computed == len(r.token_ids) + 1
-    return ahead and (r.num_computed % PAGE == 0) == at_boundary and (r.num_computed, len(r.token_ids))
+    ahead = req.num_computed == len(req.token_ids) + 1
+    return ahead and (req.num_computed % PAGE == 0) == at_boundary and (req.num_computed, len(req.token_ids))
 
 
 def abort_parked(engine: Engine, gate: StepGate, req) -> list[int]:
@@ -141,8 +140,8 @@ def test_prefill_side_abort_while_its_prefill_step_is_in_flight(smollm_fp32, hf_
         p.start(), d.start()
         prompt = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
         b = Bootstrap("127.0.0.1", port, rng.randrange(1 << 31))
-        prefill, decode = d.submit(prompt, SHORT, bootstrap=b), None
-        prefill, decode = p.submit(prompt, SHORT, bootstrap=b), prefill
+        decode = d.submit(prompt, SHORT, bootstrap=b)
+        prefill = p.submit(prompt, SHORT, bootstrap=b)
         req = prefill.request
         gate.step_until(lambda: req.num_computed == prompt_len and req in engine_running(p))
         abort_parked(p, gate, req)
