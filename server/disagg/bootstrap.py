@@ -21,7 +21,7 @@ give the decodes theirs first.
 
 Identity: both processes get an instance id on each start. Every answer of this service carries
 the prefill's (`instance`), so a decode sees at once that the process behind an address was
-replaced. Errors carry the table's refusal `reason` (rooms.py) with their HTTP status: 404
+replaced. Errors carry the table's refusal `reason` (prefill_rooms.py) with their HTTP status: 404
 `unknown_peer`, 503 `leaving`, 409 `layout`; 400 for a malformed body.
 """
 
@@ -38,7 +38,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tandem.server.disagg.layout import KVBuffer, KVLayout, LayoutMismatch
-from tandem.server.disagg.rooms import PeerRefused, RoomState, RoomTable
+from tandem.server.disagg.prefill_rooms import PeerRefused, PrefillRoomTable, RoomState
 
 log = logging.getLogger("tandem.bootstrap")
 
@@ -67,7 +67,7 @@ def authorization(token: str | None) -> dict[str, str]:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    table: RoomTable  # set on the per-server subclass
+    table: PrefillRoomTable  # set on the per-server subclass
     tokens: tuple[bytes, ...] = ()  # accepted bearer tokens; empty: anyone may call
 
     def log_message(self, fmt, *args):  # route http.server's access log to logging, quietly
@@ -167,9 +167,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class BootstrapService:
-    """The HTTP server around a RoomTable, on its own daemon threads."""
+    """The HTTP server around a PrefillRoomTable, on its own daemon threads."""
 
-    def __init__(self, table: RoomTable, host: str, port: int, tokens: list[str] = ()):
+    def __init__(self, table: PrefillRoomTable, host: str, port: int, tokens: list[str] = ()):
         """`tokens`: the bearer tokens a call must carry one of (none: every call is answered)."""
         handler = type("BootstrapHandler", (_Handler,), {"table": table, "tokens": tuple(t.encode() for t in tokens)})
         try:

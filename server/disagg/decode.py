@@ -3,7 +3,7 @@
 A request's life on a decode (`Stage`, one method each):
 
     PREALLOC     wait for the handshake with the prefill process at the request's bootstrap
-                 address (once per process, `peers.py`), then for a slot and pages for the prompt
+                 address (once per process, `decode_peers.py`), then for a slot and pages for the prompt
                  past the prefix this server's cache holds; then register them under the room
     REGISTERING  the registration call is in flight; a prefill that restarted (it does not know
                  this decode) gets the request again after a new handshake, once
@@ -26,8 +26,8 @@ are registered: the prefill sends those alone (`skip_pages`). Once the KV has ar
 prompt's whole pages enter the prefix cache (the scheduler's `add_prefilled`), and the output's
 when the request ends: the next request with that prefix finds them.
 
-Peers: the registrations with the prefill processes are `peers.py`'s state machine, and
-`peer_links.py` makes their calls (the handshake, room-status polls while requests wait,
+Peers: the registrations with the prefill processes are `decode_peers.py`'s state machine, and
+`decode_links.py` makes their calls (the handshake, room-status polls while requests wait,
 heartbeats), feeds it the answers and acts on its transitions.
 
 Ownership: from reservation on, the request's slot and pages belong to this connector (its
@@ -48,9 +48,9 @@ from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
 from tandem.server.disagg.layout import KVLayout, prompt_digest
-from tandem.server.disagg.peer_links import PeerLink, PeerLinks
-from tandem.server.disagg.peers import PeerState
-from tandem.server.disagg.rooms import RoomState, new_instance_id
+from tandem.server.disagg.decode_links import PrefillLink, PrefillLinks
+from tandem.server.disagg.decode_peers import PeerState
+from tandem.server.disagg.prefill_rooms import RoomState, new_instance_id
 from tandem.server.disagg.transfer import ArrivalRecord, MooncakeTransfer, RecordBuffer, token_major
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.request import Request
@@ -70,7 +70,7 @@ class Stage(enum.Enum):
 @dataclass
 class _Pending:
     req: Request
-    peer: PeerLink
+    peer: PrefillLink
     due: float  # prealloc: the bootstrap deadline
     stage: Stage = Stage.PREALLOC
     call: Future | None = None
@@ -81,7 +81,7 @@ class _Pending:
 @dataclass
 class _Quarantined:
     req: Request
-    peer: PeerLink
+    peer: PrefillLink
     room: int
     since: float
 
@@ -105,7 +105,7 @@ class DecodeConnector(KVConnector):
         # Who we are to the prefills: a stable name (a successor at the same address replaces us)
         # and this process's instance.
         self.me = {"decode": name or self.transfer.session, "decode_instance": new_instance_id()}
-        self.links = PeerLinks(config, self.me, self._handshake, self.kv_heads, wake)
+        self.links = PrefillLinks(config, self.me, self._handshake, self.kv_heads, wake)
         self.pending: dict[str, _Pending] = {}
         self.quarantine: list[_Quarantined] = []
         self._events = ConnectorEvents()  # what the current poll hands the loop
@@ -134,7 +134,7 @@ class DecodeConnector(KVConnector):
         answer = client.add_peer(self.me, self.transfer.session, self.layout, self.parts, self.records.base)
         return {**answer, "kv_heads": theirs["kv_heads"], "features": theirs["features"]}
 
-    def _rooms_waiting_on(self, peer: PeerLink) -> list[int]:
+    def _rooms_waiting_on(self, peer: PrefillLink) -> list[int]:
         """The rooms whose state to poll at `peer`: requests waiting for their KV, and quarantined
         pages that a process not proven gone may still write."""
         rooms = [p.req.bootstrap.room for p in self.pending.values() if p.peer is peer and p.stage is Stage.TRANSFER]
@@ -243,13 +243,13 @@ class DecodeConnector(KVConnector):
                                  f"{self.config.transfer_timeout:g}s (--transfer-timeout)", "deadline_exceeded")
         return None
 
-    def _reserve(self, req: Request, peer: PeerLink) -> bool:
+    def _reserve(self, req: Request, peer: PrefillLink) -> bool:
         """A slot and pages for the prompt, sharing the prefix our cache holds when the prefill can
         leave it out, and leaving the running requests their output headroom."""
         return self.memory.reserve(req, req.prompt_len, reuse_prefix=self._reuses(peer),
                                    keep_pages=self.memory.pages_for(self._reserved_tokens))
 
-    def _reuses(self, peer: PeerLink) -> bool:
+    def _reuses(self, peer: PrefillLink) -> bool:
         """Requests for `peer` share the prefix our cache holds (it can leave those pages out)."""
         return self.reuse and peer.skips_pages
 

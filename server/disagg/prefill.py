@@ -33,7 +33,7 @@ from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapService, is_loopback
 from tandem.server.disagg.connector import ConnectorEvents, KVConnector, OtherRanks, deadline, own_part
 from tandem.server.disagg.layout import KVLayout, Writes, prompt_digest, transfer_plan
-from tandem.server.disagg.rooms import RoomState, RoomTable
+from tandem.server.disagg.prefill_rooms import PrefillRoomTable, RoomState
 from tandem.server.disagg.transfer import RECORD_BYTES, ArrivalRecord, MooncakeTransfer, RecordBuffer
 from tandem.server.scheduling.memory import KVMemory
 from tandem.server.scheduling.request import Request
@@ -67,7 +67,7 @@ class PrefillConnector(KVConnector):
         self.parts = [own_part(self.transfer, kv_cache)] + (ranks.parts if ranks is not None else [])
         self.records = RecordBuffer(memory.slots.num_slots)  # staging: one record per request slot
         self.transfer.register(self.records.tensor)
-        self.table = RoomTable(layout, self.transfer.session, wake, [(p.first_head, p.num_heads) for p in self.parts])
+        self.table = PrefillRoomTable(layout, self.transfer.session, wake, [(p.first_head, p.num_heads) for p in self.parts])
         tokens = config.bootstrap_tokens()
         self.service = BootstrapService(self.table, listen_host, config.bootstrap_port, tokens)
         if not tokens and not is_loopback(listen_host):

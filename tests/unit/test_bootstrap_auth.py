@@ -1,5 +1,5 @@
 """The bootstrap service's tokens (`--bootstrap-token-file`): a real BootstrapService on 127.0.0.1
-over a RoomTable, called with and without tokens. A refused call gets 401 with its reason, is
+over a PrefillRoomTable, called with and without tokens. A refused call gets 401 with its reason, is
 counted, and leaves the table as it was; a token-less prefill still answers a decode that sends
 one (a rolling upgrade)."""
 
@@ -14,7 +14,7 @@ import pytest
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError, BootstrapService, is_loopback
 from tandem.server.disagg.layout import KVBuffer, KVLayout
-from tandem.server.disagg.rooms import RoomState, RoomTable
+from tandem.server.disagg.prefill_rooms import PrefillRoomTable, RoomState
 from tandem.server.edge.metrics import Metrics, exported_metric_names
 from tandem.server.loop.stats import EngineSnapshot
 from tandem.tools.stack import free_port
@@ -26,7 +26,7 @@ ME = {"decode": "decode-0", "decode_instance": "d1"}
 @pytest.fixture
 def service():
     """A prefill's bootstrap service accepting "new-token" and "old-token" (mid-rotation)."""
-    table = RoomTable(LAYOUT, "127.0.0.1:1")
+    table = PrefillRoomTable(LAYOUT, "127.0.0.1:1")
     port = free_port()
     svc = BootstrapService(table, "127.0.0.1", port, ["new-token", "old-token"])
     yield table, port
@@ -87,7 +87,7 @@ def test_a_decode_without_the_prefills_token_fails_for_good_saying_which_side_la
 
 
 def test_a_prefill_without_tokens_answers_a_decode_that_sends_one():
-    table = RoomTable(LAYOUT, "127.0.0.1:1")
+    table = PrefillRoomTable(LAYOUT, "127.0.0.1:1")
     port = free_port()
     svc = BootstrapService(table, "127.0.0.1", port)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.server.disagg.rooms import PeerRefused, RoomState, RoomTable
+from tandem.server.disagg.prefill_rooms import PeerRefused, PrefillRoomTable, RoomState
 from tandem.server.disagg.layout import (
     KVBuffer, KVLayout, LayoutMismatch, check_split, destination_runs, page_runs, prompt_digest, same_split,
     transfer_plan, write_list,
@@ -221,7 +221,7 @@ def _add_peer(table, instance="d1"):
 @pytest.fixture
 def table():
     wakes = []
-    t = RoomTable(LAYOUT, "127.0.0.1:1", wake=lambda: wakes.append(1))
+    t = PrefillRoomTable(LAYOUT, "127.0.0.1:1", wake=lambda: wakes.append(1))
     _add_peer(t)
     t.wakes = wakes
     return t
@@ -300,7 +300,7 @@ def test_unclaimed_rooms_expire(table):
 
 
 def test_each_start_has_its_own_instance():
-    assert RoomTable(LAYOUT, "s").instance != RoomTable(LAYOUT, "s").instance
+    assert PrefillRoomTable(LAYOUT, "s").instance != PrefillRoomTable(LAYOUT, "s").instance
 
 
 def test_a_restarted_decode_replaces_its_predecessor_and_its_rooms_fail(table):

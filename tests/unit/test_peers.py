@@ -1,4 +1,4 @@
-"""The decode's prefill peers (server/disagg/peers.py), driven with a fake clock: every (state,
+"""The decode's prefill peers (server/disagg/decode_peers.py), driven with a fake clock: every (state,
 event) pair against the transition table, then the paths the e2e roll tests take through real
 servers (restart at the same address, SIGTERM leave, missed heartbeats, quarantine release)."""
 
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from tandem.server.disagg import peers as peers_module
-from tandem.server.disagg.peers import HEARTBEAT_MISSES, RETRY_S, TRANSITIONS, Moved, Peer, PeerBook, PeerEvent, PeerState
+from tandem.server.disagg import decode_peers as peers_module
+from tandem.server.disagg.decode_peers import HEARTBEAT_MISSES, RETRY_S, TRANSITIONS, Moved, PeerBook, PeerEvent, PeerState, PrefillPeer
 
 pytestmark = pytest.mark.unit
 
@@ -17,18 +17,18 @@ ADDRESS = ("10.0.0.1", 8998)
 INTERVAL, TIMEOUT = 5.0, 10.0  # --peer-heartbeat-interval, --peer-timeout
 
 
-def new_peer(address=ADDRESS) -> Peer:
-    return Peer(address, INTERVAL, TIMEOUT)
+def new_peer(address=ADDRESS) -> PrefillPeer:
+    return PrefillPeer(address, INTERVAL, TIMEOUT)
 
 
-def ready_peer(instance="A", now=0.0, address=ADDRESS) -> Peer:
+def ready_peer(instance="A", now=0.0, address=ADDRESS) -> PrefillPeer:
     peer = new_peer(address)
     assert peer.on_connected(instance, head_major=False, skips_pages=True, now=now) == [
         Moved(PeerEvent.CONNECTED, PeerState.CONNECTING, PeerState.READY)]
     return peer
 
 
-def peer_in(state: PeerState) -> Peer:
+def peer_in(state: PeerState) -> PrefillPeer:
     """A peer brought to `state` the way the connector brings it there."""
     if state is PeerState.CONNECTING:
         return new_peer()
@@ -47,7 +47,7 @@ def peer_in(state: PeerState) -> Peer:
     return peer
 
 
-def fire(peer: Peer, event: PeerEvent, now: float = 1.0) -> list[Moved]:
+def fire(peer: PrefillPeer, event: PeerEvent, now: float = 1.0) -> list[Moved]:
     """`event`, and nothing else, through the peer's public calls."""
     if event is PeerEvent.CONNECTED:
         return peer.on_connected("C", head_major=False, skips_pages=False, now=now)

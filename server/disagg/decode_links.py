@@ -1,6 +1,6 @@
 """A decode's calls to its prefill peers: the handshake with each prefill process, room-status
 polls while requests wait on it, heartbeats every --peer-heartbeat-interval, and the goodbye on
-shutdown. The answers go to peers.py's state machine; its transitions are acted on here (counted,
+shutdown. The answers go to decode_peers.py's state machine; its transitions are acted on here (counted,
 logged, the registration retired, a new handshake started). The connector (decode.py) asks which
 registration a new room goes through and says which rooms wait on which peer.
 """
@@ -16,7 +16,7 @@ from typing import Callable
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.bootstrap import BootstrapClient, BootstrapError
 from tandem.server.disagg.layout import LayoutMismatch
-from tandem.server.disagg.peers import Moved, Peer, PeerBook, PeerEvent, PeerState
+from tandem.server.disagg.decode_peers import Moved, PeerBook, PeerEvent, PeerState, PrefillPeer
 
 log = logging.getLogger("tandem.decode")
 
@@ -25,8 +25,8 @@ LEAVE_TIMEOUT_S = 2.0  # on shutdown, how long telling the prefills may take
 
 
 @dataclass(eq=False, kw_only=True)
-class PeerLink(Peer):
-    """A registration (peers.py) and the calls to its prefill's bootstrap service."""
+class PrefillLink(PrefillPeer):
+    """A registration (decode_peers.py) and the calls to its prefill's bootstrap service."""
 
     client: BootstrapClient
     handshake: Future  # -> the prefill's answer to our registration
@@ -35,7 +35,7 @@ class PeerLink(Peer):
     heartbeat: Future | None = None
 
 
-class PeerLinks:
+class PrefillLinks:
     """`me`: who this decode is to the prefills; `handshake(client)`, on a client thread: check the
     prefill's layout and register our KV pool with it (its answer, with the prefill's `kv_heads`
     and `features`); `kv_heads`: ours, per tensor-parallel rank; `wake`: make the loop poll now."""
@@ -49,18 +49,18 @@ class PeerLinks:
         tokens = config.bootstrap_tokens()
         self.token = tokens[0] if tokens else None  # presented on every call to a prefill
 
-    def for_room(self, address: tuple[str, int]) -> PeerLink:
+    def for_room(self, address: tuple[str, int]) -> PrefillLink:
         """The registration a new room at a bootstrap address goes through, handshaking if there is none."""
         peer = self.book.for_new_room(address, time.monotonic())
         if peer is None:
             client = BootstrapClient(*address, token=self.token)
-            peer = PeerLink(address, self.config.peer_heartbeat_interval, self.config.peer_timeout, client=client,
+            peer = PrefillLink(address, self.config.peer_heartbeat_interval, self.config.peer_timeout, client=client,
                             handshake=self.pool.submit(self._handshake, client))
             self.book.add(peer)
             peer.handshake.add_done_callback(lambda _: self.wake())
         return peer
 
-    def update(self, now: float, retired: list[PeerLink], rooms_of: Callable[[PeerLink], list[int]]) -> None:
+    def update(self, now: float, retired: list[PrefillLink], rooms_of: Callable[[PrefillLink], list[int]]) -> None:
         """Every current registration, and the `retired` ones requests or quarantined pages still
         wait on: take the answers of their calls that ended, start the calls that are due
         (`rooms_of(peer)`: the rooms whose state to poll), let the clock tick."""
@@ -83,7 +83,7 @@ class PeerLinks:
                 peer.heartbeat.add_done_callback(lambda _: self.wake())
             self.apply(peer, peer.on_tick(bool(rooms), now), known)
 
-    def _take_handshake(self, peer: PeerLink, now: float) -> list[Moved]:
+    def _take_handshake(self, peer: PrefillLink, now: float) -> list[Moved]:
         error = peer.handshake.exception()
         if error is None:
             answer = peer.handshake.result()
@@ -93,7 +93,7 @@ class PeerLinks:
         return peer.on_handshake_failed(f"handshake with prefill {peer.client.address} failed: {error}",
                                         "failed_precondition" if mismatch else "unavailable", now)
 
-    def _take_status(self, peer: PeerLink, now: float) -> list[Moved]:
+    def _take_status(self, peer: PrefillLink, now: float) -> list[Moved]:
         call, peer.status_call = peer.status_call, None
         try:
             answer = call.result()
@@ -101,7 +101,7 @@ class PeerLinks:
             return peer.on_no_answer(e.unreachable, e.refused, now)
         return peer.on_status(answer["instance"], bool(answer.get("leaving")), answer["rooms"])
 
-    def _take_heartbeat(self, peer: PeerLink, now: float) -> list[Moved]:
+    def _take_heartbeat(self, peer: PrefillLink, now: float) -> list[Moved]:
         call, peer.heartbeat = peer.heartbeat, None
         try:
             answer = call.result()
@@ -109,7 +109,7 @@ class PeerLinks:
             return peer.on_heartbeat_missed(e.unreachable, e.refused, str(e), now)
         return peer.on_heartbeat(answer["instance"], bool(answer.get("leaving")), answer["known"])
 
-    def apply(self, peer: PeerLink, moved: list[Moved], known: list[PeerLink] = ()) -> None:
+    def apply(self, peer: PrefillLink, moved: list[Moved], known: list[PrefillLink] = ()) -> None:
         """Act on a peer's transitions: count, log, retire the registration, handshake again.
         `known`: the registrations a new handshake may have replaced."""
         for m in moved:
@@ -127,7 +127,7 @@ class PeerLinks:
                 if m.rehandshake:
                     self.for_room(peer.address)
 
-    def _connected(self, peer: PeerLink, known: list[PeerLink]) -> None:
+    def _connected(self, peer: PrefillLink, known: list[PrefillLink]) -> None:
         self.counters["peer_handshakes"] += 1
         before, replaced = self.book.connected(peer, known)
         if before is None:

@@ -113,7 +113,7 @@ class Room:
     finished_at: float | None = None
 
 
-class RoomTable:
+class PrefillRoomTable:
     """Rooms and decode peers, shared by the HTTP threads and the prefill loop (one lock)."""
 
     def __init__(self, layout: KVLayout, session: str, wake: Callable[[], None] = lambda: None,

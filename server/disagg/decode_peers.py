@@ -1,9 +1,9 @@
 """A decode server's prefill peers: the state machine of its registration with each prefill
-process, the counterpart of rooms.py on the prefill side. Pure: no I/O, no threads. The decode's
+process, the counterpart of prefill_rooms.py on the prefill side. Pure: no I/O, no threads. The decode's
 connector (decode.py) makes the calls and feeds in what they answered (instance ids, `leaving`,
 `known`), how they failed (unreachable, connection refused) and the time.
 
-A `Peer` is this decode's registration with one prefill *process* (its instance id, read at the
+A `PrefillPeer` is this decode's registration with one prefill *process* (its instance id, read at the
 handshake and in every answer) at one bootstrap address:
 
     state       what it means                                   rooms
@@ -107,7 +107,7 @@ class Moved:
 
 
 @dataclass(eq=False)
-class Peer:
+class PrefillPeer:
     """This decode's registration with one prefill process at `address` (host, port). Each
     `on_*` method takes what a call answered and the time, and returns the transitions taken."""
 
@@ -233,25 +233,25 @@ class PeerBook:
     with there (a new one means the old process is gone)."""
 
     def __init__(self):
-        self.current: dict[tuple[str, int], Peer] = {}
+        self.current: dict[tuple[str, int], PrefillPeer] = {}
         self.instances: dict[tuple[str, int], str] = {}
 
-    def for_new_room(self, address: tuple[str, int], now: float) -> Peer | None:
+    def for_new_room(self, address: tuple[str, int], now: float) -> PrefillPeer | None:
         """The registration a new room at `address` goes through; None: handshake a new one (and `add` it)."""
         peer = self.current.get(address)
         if peer is None or peer.retry_due(now):
             return None
         return peer
 
-    def add(self, peer: Peer) -> None:
+    def add(self, peer: PrefillPeer) -> None:
         self.current[peer.address] = peer
 
-    def retire(self, peer: Peer) -> None:
+    def retire(self, peer: PrefillPeer) -> None:
         """New rooms at its address no longer go through `peer`."""
         if self.current.get(peer.address) is peer:
             del self.current[peer.address]
 
-    def connected(self, peer: Peer, others: list[Peer]) -> tuple[str | None, list[tuple[Peer, list[Moved]]]]:
+    def connected(self, peer: PrefillPeer, others: list[PrefillPeer]) -> tuple[str | None, list[tuple[PrefillPeer, list[Moved]]]]:
         """`peer` registered with its instance: the instance the address had before (None: the
         first, or the same), and each of `others` (earlier registrations there) it replaced."""
         before = self.instances.get(peer.address)
