@@ -14,16 +14,13 @@ holds are in KVMemory like any other request's and are listed by `held()` for th
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from tandem.kernels.kv_cache import PagedKVCache
-from tandem.server.config import DisaggConfig
-from tandem.server.disagg.layout import KVBuffer, KVLayout, Writes
-from tandem.server.scheduling.memory import KVMemory
+from tandem.server.disagg.layout import KVBuffer, Writes
 from tandem.server.scheduling.request import Finish, Request
 
 
@@ -123,31 +120,6 @@ class KVConnector:
 
     def close(self) -> None:
         pass
-
-
-def advertise_host(disagg: DisaggConfig, host: str) -> str:
-    """The address peers reach this server's bootstrap service and Mooncake engines at."""
-    return disagg.advertise_host or (host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname()))
-
-
-def create_connector(disagg: DisaggConfig, host: str, port: int | None, layout: KVLayout, kv_cache: PagedKVCache,
-                     memory: KVMemory, wake: Callable[[], None], on_transfer: Callable[[float], None],
-                     ranks: OtherRanks | None = None) -> KVConnector:
-    """The KV connector of `disagg.role`. A prefill's bootstrap service listens on `host`; peers
-    reach this server at the advertised host, and a decode is named by it and its gRPC `port`
-    (a successor at the same address replaces its predecessor on each prefill). `ranks`: the
-    server's other tensor-parallel ranks, whose KV heads move with rank 0's."""
-    if disagg.role == "colocated":
-        return KVConnector(on_transfer)
-    advertise = advertise_host(disagg, host)
-    if disagg.role == "prefill":
-        from tandem.server.disagg.prefill import PrefillConnector
-
-        return PrefillConnector(disagg, host, advertise, layout, kv_cache, memory, wake, on_transfer, ranks)
-    from tandem.server.disagg.decode import DecodeConnector
-
-    name = f"{advertise}:{port}" if port else None
-    return DecodeConnector(disagg, advertise, layout, kv_cache, memory, wake, on_transfer, name, ranks)
 
 
 def deadline(seconds: float) -> float:

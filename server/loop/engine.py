@@ -35,8 +35,8 @@ import torch
 from tandem.kernels.cpu_ops import idle_compute_threads
 from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.config import DisaggConfig, EngineConfig
-from tandem.server.disagg.connector import advertise_host, create_connector
 from tandem.server.disagg.layout import KVLayout
+from tandem.server.disagg.roles import advertise_host, create_connector
 from tandem.server.kvcache.kv_events import KvEventPublisher, Subscription
 from tandem.server.loop.cuda_graphs import capture_decode_graphs
 from tandem.server.loop.grammar import GrammarCompiler
@@ -49,7 +49,8 @@ from tandem.server.loop.outputs import CompletedOutput
 from tandem.server.loop.runner import ModelRunner
 from tandem.server.loop.stats import StatsObserver, engine_snapshot
 from tandem.server.loop.steps import OverlappedSteps, Steps, overlap_scheduling
-from tandem.server.model import LoadedModel, Shard, load_model, resolve_device
+from tandem.server.model.load import LoadedModel, load_model, resolve_device
+from tandem.server.model.shard import Shard
 from tandem.server.parallel.group import threads_per_rank
 from tandem.server.parallel.workers import RankPool, RankSpec
 from tandem.server.scheduling.memory import KVMemory
@@ -112,17 +113,9 @@ class Engine:
         log.info("%d torch threads%s (%s)", threads, " per rank" if config.tp_size > 1 else "", why)
         if config.tp_size > 1:
             advertise = advertise_host(disagg, host) if disagg.role != "colocated" else host
-            self.ranks = RankPool(RankSpec(config.model, config.dtype, config.prefill_dtype, config.device,
-                                           config.attention_backend, config.page_size, config.num_threads,
-                                           config.tp_size, 0, config.tp_timeout, disagg.role,
-                                           disagg.kv_transfer_protocol, disagg.ib_device, advertise, config.gguf_blocks,
-                                           config.kv_cache_dtype),
-                                  resolve_device(config.device))
-            model = load_model(config.model, config.dtype, config.device, config.prefill_dtype,
-                               Shard(0, config.tp_size), self.ranks.group.all_reduce, config.gguf_blocks,
-                               config.kv_cache_dtype)
-        self.model = model or load_model(config.model, config.dtype, config.device, config.prefill_dtype,
-                                         gguf_blocks=config.gguf_blocks, kv_cache_dtype=config.kv_cache_dtype)
+            self.ranks = RankPool(RankSpec(config, disagg, advertise_host=advertise), resolve_device(config.device))
+            model = load_model(config, Shard(0, config.tp_size), self.ranks.group.all_reduce)
+        self.model = model or load_model(config)
         mc, lc = self.model.config, self.model.module.config  # the whole model; this rank's heads
         self.tokenizer = self.model.tokenizer
         self.context_length = config.context_length or mc.max_position_embeddings
@@ -132,7 +125,7 @@ class Engine:
         scratch = int(self.model.device.type == "cuda")
         self.kv_cache = PagedKVCache(
             mc.num_layers, num_pages + scratch, config.page_size, lc.kv_heads, mc.kv_dim,
-            self.model.kv_dtype, self.model.device, value_dim=mc.kv_value_dim
+            self.model.precision.kv, self.model.device, value_dim=mc.kv_value_dim
         )
         log.info("KV cache: %d bytes per token%s", self.kv_bytes_per_token,
                  "" if config.tp_size == 1 else " on each rank (a latent: whole on each)" if mc.latent else
@@ -176,7 +169,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """This rank's KV cache per token, every layer (a latent cache: the whole latent)."""
-        return kv_bytes_per_token(self.model.module.config, self.model.kv_dtype)
+        return kv_bytes_per_token(self.model.module.config, self.model.precision.kv)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> "Engine":
