@@ -40,11 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import layer_ops
-from tandem.kernels.attention import create_backend
+from tandem.kernels.attention_backends import create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.server.loop.cuda_graphs import DecodeGraphs
 from tandem.server.loop.runner import ForwardInputs, forward_pass
 from tandem.server.model.llama import LlamaForCausalLM
+from tandem.server.model.precision import Precision
 from tandem.server.model.random_weights import SHAPES, random_weights, shape_config
 
 PAGE_SIZE = 16
@@ -155,7 +156,7 @@ def bench_shape(name: str, args, device: torch.device, copy_bw: float | None, pe
     overrides = {"num_layers": args.layers} if args.layers else {}
     c = shape_config(name, **overrides)
     dtype = torch.bfloat16
-    model = LlamaForCausalLM(c, random_weights(c, dtype, device), dtype, device)
+    model = LlamaForCausalLM(c, random_weights(c, dtype, device), Precision.uniform(dtype), device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rows_max = max(args.rows)

@@ -25,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from tandem.kernels.attention import AttentionBackend, AttentionBatch, create_backend
+from tandem.kernels.attention import AttentionBackend, AttentionBatch
+from tandem.kernels.attention_backends import create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.sampling import SamplingRow, sample
 from tandem.server.loop.cuda_graphs import DecodeGraphs

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from tandem.server.config import DisaggConfig, EngineConfig
 from tandem.server.disagg.layout import KVBuffer, Writes
 from tandem.server.parallel.group import ProcessGroup, free_port, rank_device, threads_per_rank
 
@@ -50,24 +51,15 @@ READY_TIMEOUT = 600.0
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What a rank process needs to build its share of the server (from EngineConfig)."""
+    """What a rank process needs to build its share of the server: rank 0's own configs (the
+    model, its precision, the KV pool's page size, the threads, the size of the group and its
+    timeout; the role, whose prefill and decode ranks register their KV with a Mooncake engine of
+    their own) and where to meet rank 0 and the peers."""
 
-    model: str
-    dtype: str
-    prefill_dtype: str
-    device: str
-    attention_backend: str
-    page_size: int
-    num_threads: int | None
-    size: int
-    port: int  # rank 0's rendezvous port on 127.0.0.1
-    timeout: float  # seconds any collective may wait
-    role: str = "colocated"  # prefill and decode ranks register their KV with a Mooncake engine of their own
-    kv_transfer_protocol: str = "tcp"
-    ib_device: str = ""
-    advertise_host: str = "127.0.0.1"
-    gguf_blocks: str = "4bit"
-    kv_cache_dtype: str = "auto"
+    engine: EngineConfig
+    disagg: DisaggConfig
+    port: int = 0  # rank 0's rendezvous port on 127.0.0.1; 0: RankPool picks a free one
+    advertise_host: str = "127.0.0.1"  # the address peers reach each rank's Mooncake engine at
 
 
 @dataclass
@@ -91,16 +83,17 @@ class RankPool:
 
     def __init__(self, spec: RankSpec, device: torch.device):
         spec = replace(spec, port=spec.port or free_port())
+        size = spec.engine.tp_size
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
         self._closing = False
         self.sends, self.send_seconds = 0, 0.0  # forward passes handed out, and the time it took (benchmarks)
         self.parts: list[KVBuffer] = []  # ranks 1..size-1's KV buffers, once built (disaggregated roles)
         self._send_lock = threading.Lock()  # the engine thread and KV senders share each pipe
-        self._jobs: list[dict[int, Future]] = [{} for _ in range(spec.size - 1)]  # per rank 1.., by job id
+        self._jobs: list[dict[int, Future]] = [{} for _ in range(size - 1)]  # per rank 1.., by job id
         self._job_ids = itertools.count()
         try:
-            for rank in range(1, spec.size):
+            for rank in range(1, size):
                 ours, theirs = socket.socketpair()
                 with theirs:
                     proc = subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(theirs.fileno()),
@@ -108,7 +101,7 @@ class RankPool:
                 self._procs.append(proc)
                 self._conns.append(Connection(ours.detach()))
                 self._conns[-1].send(spec)
-            self.group = ProcessGroup(0, spec.size, device, spec.port, spec.timeout)
+            self.group = ProcessGroup(0, size, device, spec.port, spec.engine.tp_timeout)
         except BaseException:
             self.close()
             raise
@@ -224,9 +217,10 @@ class RankPool:
 
 def run_rank(rank: int, conn: Connection, parent: int) -> None:
     """Main of rank `rank` >= 1: build its share, then run each forward pass rank 0 sends."""
-    from tandem.kernels.attention import create_backend
+    from tandem.kernels.attention_backends import create_backend
     from tandem.kernels.kv_cache import PagedKVCache
-    from tandem.server.model import Shard, load_model, resolve_device
+    from tandem.server.model.load import load_model, resolve_device
+    from tandem.server.model.shard import Shard
     from tandem.server.disagg.transfer import token_major
     from tandem.server.loop.runner import forward_pass
 
@@ -234,24 +228,24 @@ def run_rank(rank: int, conn: Connection, parent: int) -> None:
     _die_with_parent(parent)
     try:
         spec: RankSpec = conn.recv()
-        torch.set_num_threads(threads_per_rank(spec.num_threads, spec.size, torch.get_num_threads())[0])
-        device = rank_device(resolve_device(spec.device), rank)
+        config, disagg = spec.engine, spec.disagg
+        torch.set_num_threads(threads_per_rank(config.num_threads, config.tp_size, torch.get_num_threads())[0])
+        device = rank_device(resolve_device(config.device), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # kernels and the transfer engine that use "the" device
-        group = ProcessGroup(rank, spec.size, device, spec.port, spec.timeout)
-        model = load_model(spec.model, spec.dtype, str(device), spec.prefill_dtype, Shard(rank, spec.size),
-                           group.all_reduce, spec.gguf_blocks, spec.kv_cache_dtype)
+        group = ProcessGroup(rank, config.tp_size, device, spec.port, config.tp_timeout)
+        model = load_model(replace(config, device=str(device)), Shard(rank, config.tp_size), group.all_reduce)
         _, num_pages = conn.recv()
         c = model.module.config
-        kv = PagedKVCache(c.num_layers, num_pages, spec.page_size, c.kv_heads, c.kv_dim, model.kv_dtype,
+        kv = PagedKVCache(c.num_layers, num_pages, config.page_size, c.kv_heads, c.kv_dim, model.precision.kv,
                           model.device, value_dim=c.kv_value_dim)
-        attn = create_backend(spec.attention_backend, kv, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows,
+        attn = create_backend(config.attention_backend, kv, c.num_heads, c.head_dim, c.softmax_scale, c.layer_windows,
                               prompt_dtype=model.module.prefill_dtype)
         transfer, part = None, None
-        if spec.role != "colocated":
+        if disagg.role != "colocated":
             from tandem.server.disagg.transfer import MooncakeTransfer
 
-            transfer = MooncakeTransfer(spec.advertise_host, spec.kv_transfer_protocol, spec.ib_device)
+            transfer = MooncakeTransfer(spec.advertise_host, disagg.kv_transfer_protocol, disagg.ib_device)
             first = 0 if c.latent else rank * c.kv_heads  # a latent: every rank holds all of it
             part = KVBuffer(transfer.register(kv.buffer), num_pages, first, c.kv_heads,
                             transfer.session)

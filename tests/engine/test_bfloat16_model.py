@@ -15,7 +15,7 @@ from support.checks import assert_greedy_matches_reference
 from support.logits import assert_logits_close, teacher_forced_logits
 from support.prompts import prompts
 from tandem.kernels import layer_ops
-from tandem.kernels.attention import create_backend
+from tandem.kernels.attention_backends import create_backend
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.kv_cache import PagedKVCache
 
@@ -31,12 +31,14 @@ PAGE_SIZE = 16
 
 @pytest.fixture(scope="module")
 def smollm_bf16():
-    import tandem.server.model as model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model import precision
+    from tandem.server.model.load import load_model
 
     with pytest.MonkeyPatch.context() as mp:  # bfloat16 math even where the CPU would widen it
-        mp.setattr(model, "compute_dtype_for", lambda dtype, device: dtype)
-        loaded = model.load_model("builtin:smollm2-135m", "bfloat16", "cpu")
-    assert loaded.compute_dtype == torch.bfloat16
+        mp.setattr(precision, "compute_dtype_for", lambda dtype, device: dtype)
+        loaded = load_model(EngineConfig(model="builtin:smollm2-135m", dtype="bfloat16", device="cpu"))
+    assert loaded.precision.compute == torch.bfloat16
     return loaded
 
 

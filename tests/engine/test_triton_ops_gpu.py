@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import layer_ops
-from tandem.kernels.attention import create_backend
+from tandem.kernels.attention_backends import create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.server.loop.runner import ForwardInputs, forward_pass
 from tandem.server.model.llama import LlamaForCausalLM
+from tandem.server.model.precision import Precision
 from tandem.server.model.random_weights import random_weights, shape_config
 
 pytestmark = pytest.mark.gpu
@@ -93,7 +94,7 @@ def test_silu_mul(dtype, features):
 def test_model_with_the_kernels_gives_torch_ops_hidden_states():
     device = torch.device("cuda")
     c = shape_config("llama3-8b", num_layers=2, vocab_size=8192)
-    model = LlamaForCausalLM(c, random_weights(c, torch.bfloat16, device), torch.bfloat16, device)
+    model = LlamaForCausalLM(c, random_weights(c, torch.bfloat16, device), Precision.uniform(torch.bfloat16), device)
     page, prompts, length = 16, 3, 40
     tables = [list(range(i * 3, i * 3 + 3)) for i in range(prompts)]
     inputs = ForwardInputs(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.attention import AttentionBatch, create_backend
+from tandem.kernels.attention import AttentionBatch
+from tandem.kernels.attention_backends import create_backend
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 
 
@@ -17,7 +18,7 @@ def teacher_forced_logits(loaded, ids: list[int], piece: int | None = None, deco
     with `float32_prompt_attention`."""
     c = loaded.config
     pages = list(range(-(-len(ids) // page_size)))
-    cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.kv_dtype,
+    cache = PagedKVCache(c.num_layers, len(pages), page_size, c.num_kv_heads, c.head_dim, loaded.precision.kv,
                          loaded.device)
     attn = create_backend("torch", cache, c.num_heads, c.head_dim,
                           prompt_dtype=None if float32_prompt_attention else loaded.module.prefill_dtype)
