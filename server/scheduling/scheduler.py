@@ -27,6 +27,7 @@ from tandem.server.scheduling.plan import FUTURE_TOKEN, Phase, SeqPlan, StepOutp
 from tandem.server.scheduling.policy import (
     NewTokenRatio, PrefillBudget, mixed_chunks, order_waiting, prefill_tokens_per_pass, retraction_victim,
 )
+from tandem.server.scheduling.queues import RequestQueues
 from tandem.server.scheduling.request import Finish, Request, Status
 
 log = logging.getLogger("tandem.scheduler")
@@ -72,18 +73,15 @@ class SchedulerStats:
     forward_steps: int = 0
 
 
-class Scheduler:
-    """Owns the waiting queue, the running batch and the chunked request, and every change of a
-    request's status and finish, including those of requests other owners hold (`end_elsewhere`)."""
+class Scheduler(RequestQueues):
+    """Its queues (`RequestQueues`: waiting, chunked, running, and every change of a request's
+    status, including those of requests other owners hold), the planning of each step over them,
+    and the update of them with each step's output."""
 
     def __init__(self, config: SchedulerConfig, memory: KVMemory):
+        super().__init__(memory, hand_off=config.hand_off_finished)
         self.config = config
-        self.memory = memory
         self.page_size = memory.page_size
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # hold a slot and have sampled at least once
-        self.chunked: Request | None = None  # holds a slot, prompt only partly computed
-        self.handed_off: list[Request] = []  # ended, still holding what they held (hand_off_finished)
         self.launched: deque[tuple[StepPlan, list[Request]]] = deque()  # planned, not yet updated; oldest first
         self.ratio = NewTokenRatio(
             config.init_new_token_ratio, config.min_new_token_ratio, config.new_token_ratio_decay_steps
@@ -91,10 +89,6 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     # -- intake -----------------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        req.status = Status.WAITING
-        self.waiting.append(req)
-
     def add_prefilled(self, req: Request, first_token: int) -> None:
         """Join a request whose prompt KV is already in its pages (a decode server's transfer
         arrived) straight into the running batch, with its first output token."""
@@ -108,60 +102,12 @@ class Scheduler:
         self.stats.prompt_tokens += req.prompt_len
         self.running.append(req)
         if req.grammar is not None and not req.grammar.accept(first_token):
-            self._finish(req, Finish("abort", message=f"the prefill's first token {first_token} breaks the request's "
-                                                      "constraint", code="internal"))
+            self.finish(req, Finish("abort", message=f"the prefill's first token {first_token} breaks the "
+                                                             "request's constraint", code="internal"))
             return
         finish = req.stop_reason(first_token)
         if finish is not None:
-            self._finish(req, finish)
-
-    def abort(self, rid: str, message: str = "aborted", code: str | None = None) -> Request | None:
-        """End a request wherever it is and free what it holds. Unknown ids return None."""
-        for req in self._all():
-            if req.rid == rid:
-                self._finish(req, Finish("abort", message=message, code=code))
-                return req
-        return None
-
-    def finish(self, req: Request, finish: Finish) -> None:
-        """End a request for a reason found outside the scheduler (a stop string, say)."""
-        if not req.finished:
-            self._finish(req, finish)
-
-    @staticmethod
-    def end_elsewhere(req: Request, finish: Finish) -> None:
-        """End a request another owner holds (in a KV connector's queues, never in the
-        scheduler's): only its status and finish change; its owner frees what it holds."""
-        req.status = Status.FINISHED
-        req.finish = finish
-
-    def take_handed_off(self) -> list[Request]:
-        """The requests that ended since the last call, with what they hold (hand_off_finished):
-        from now on the caller's to free."""
-        taken, self.handed_off = self.handed_off, []
-        return taken
-
-    def _all(self):
-        yield from self.waiting
-        if self.chunked is not None:
-            yield self.chunked
-        yield from self.running
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def queued_prompt_tokens(self) -> int:
-        """Tokens the waiting requests (and a partly prefilled one) still need prefilled."""
-        return sum(r.pending for r in self.waiting) + (self.chunked.pending if self.chunked is not None else 0)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running) + (self.chunked is not None)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.handed_off)
+            self.finish(req, finish)
 
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -185,9 +131,9 @@ class Scheduler:
         return plan
 
     def _schedule_prefills(self) -> list[tuple[SeqPlan, Request]]:
+        cfg = self.config
         if not self.waiting and self.chunked is None:
             return []
-        cfg = self.config
         reserved = self.reserved_tokens()
         budget = PrefillBudget(
             rem_total=self.memory.available_pages * self.page_size - reserved,
@@ -218,8 +164,7 @@ class Scheduler:
             take = budget.take(extend, self._reserve(req, plans), first=not plans)
             if take == 0 or not self.memory.admit(req, match, cached + take):
                 break
-            self.waiting.remove(req)
-            req.status = Status.RUNNING
+            self.admit(req)
             slots_left -= 1
             if req.num_retractions == 0:
                 req.admit_time = time.monotonic()
@@ -263,8 +208,8 @@ class Scheduler:
         for req in decoding:
             if not self.memory.grow(req, req.num_computed + 1):
                 # A lone request that outgrew the whole pool: nothing left to retract.
-                self._finish(req, Finish("abort", message="KV cache exhausted: the request no longer fits the pool",
-                                         code="resource_exhausted"))
+                self.finish(req, Finish("abort", code="resource_exhausted",
+                                               message="KV cache exhausted: the request no longer fits the pool"))
                 continue
             plans.append((self._seq(req, 1), req))
         if not retracted:  # a retraction just reset the ratio; decaying it now would undo that
@@ -273,20 +218,14 @@ class Scheduler:
 
     def _pick_victim(self) -> Request | None:
         """Retract the request `retraction_victim` picks among the running ones, if any."""
-        victim = retraction_victim(list(self.running) + ([self.chunked] if self.chunked is not None else []))
+        victim = retraction_victim(self.holders())
         if victim is not None:
-            self._retract(victim)
+            self.retract(victim)
         return victim
 
-    def _retract(self, req: Request) -> None:
-        if req is self.chunked:
-            self.chunked = None
-        else:
-            self.running.remove(req)
-        self.memory.release(req)  # its computed prefix stays in the prefix cache
-        req.status = Status.WAITING
-        req.num_retractions += 1
-        self.waiting.appendleft(req)
+    def retract(self, req: Request) -> None:
+        """Send a running request back to wait, and reserve more output headroom from now on."""
+        super().retract(req)
         self.stats.retractions += 1
         self.ratio.reset()
 
@@ -332,7 +271,7 @@ class Scheduler:
                 req.output_top_logprobs.append(out.top_logprobs[i])
             finish = req.stop_reason(token)
             if finish is not None:
-                self._finish(req, finish)
+                self.finish(req, finish)
             touched.append(req)
         return touched
 
@@ -342,33 +281,9 @@ class Scheduler:
         for seq, req in zip(plan.seqs, self._settle(plan)):
             if not req.finished:
                 req.num_computed = min(req.num_computed, seq.start_pos)
-                self._finish(req, Finish("abort", message=message, code="internal"))
+                self.finish(req, Finish("abort", message=message, code="internal"))
 
     def _settle(self, plan: StepPlan) -> list[Request]:
         launched, reqs = self.launched.popleft()
         assert launched is plan, "steps are updated in the order they were planned"
         return reqs
-
-    def _finish(self, req: Request, finish: Finish) -> None:
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        elif req is self.chunked:
-            self.chunked = None
-        elif req in self.running:
-            self.running.remove(req)
-        req.status = Status.FINISHED
-        req.finish = finish
-        req.sampling = 0  # a sample still in flight is dropped at its update
-        if self.config.hand_off_finished:
-            self.handed_off.append(req)
-        else:
-            self.memory.release(req)
-
-    def check_integrity(self, held_elsewhere: list[Request] = ()) -> None:
-        """`held_elsewhere`: requests holding slots outside the scheduler (a KV connector's)."""
-        self.memory.check_integrity()
-        holders = self.running + ([self.chunked] if self.chunked is not None else []) + list(held_elsewhere)
-        holders += [r for r in self.handed_off if r.slot is not None]
-        assert len(holders) == len({r.rid for r in holders}), "a request is running twice"
-        assert all(r.slot is None for r in self.waiting), "a waiting request holds a slot"
-        assert self.memory.slots.num_free == self.memory.slots.num_slots - len(holders), "slots leaked"

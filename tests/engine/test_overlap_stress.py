@@ -61,7 +61,7 @@ class Injector:
         if not self.kinds:  # each kind once, in a random order, then again
             self.kinds = self.rng.sample(KINDS, len(KINDS))
         kind = self.kinds[-1]
-        live = [r for r in scheduler._all() if r.rid not in self.touched]
+        live = [r for r in scheduler.requests() if r.rid not in self.touched]
         if kind == "retract":
             live = [r for r in live if r in scheduler.running or r is scheduler.chunked]
         # Half the time, a request on the window's sharpest edge when there is one: a launched
@@ -79,7 +79,7 @@ class Injector:
             elif kind == "stop string":
                 engine.outputs.finish(req, Finish("stop", matched="injected"))  # the output processor's hook
             else:
-                scheduler._retract(req)  # what schedule() does when the pool runs short
+                scheduler.retract(req)  # what schedule() does when the pool runs short
             scheduler.check_integrity()
         return True
 
