@@ -48,7 +48,8 @@ class Server:
 
     def __init__(self, engine_config: EngineConfig, config: ServeConfig, disagg: DisaggConfig | None = None):
         from tandem.server.loop.engine import Engine
-        from tandem.server.edge.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
+        from tandem.server.edge.grpc_servicer import SchedulerServicer, add_to_server
+        from tandem.server.edge.grpc_status import ServerIdentity, ServingState
         from tandem.server.edge.metrics import Metrics
         from tandem.server.model.loader import resolve_model
         from tandem.server.model.tokenizer import tokenizer_dir
@@ -167,7 +168,7 @@ def server_args(engine_config: EngineConfig, disagg: DisaggConfig, name: str, to
         "served_model_name": name,
         "tokenizer_path": tokenizer_path,
         "page_size": c.page_size,
-        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "dtype": str(engine.model.precision.weights).removeprefix("torch."),
         "context_length": engine.context_length,
         "max_total_tokens": engine.max_total_tokens,
         "kv_bytes_per_token": engine.kv_bytes_per_token,

@@ -15,7 +15,8 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from support.checks import cached_prefixes
-from tandem.server.edge.grpc_servicer import SchedulerServicer, ServerIdentity, ServingState, add_to_server
+from tandem.server.edge.grpc_servicer import SchedulerServicer, add_to_server
+from tandem.server.edge.grpc_status import ServerIdentity, ServingState
 from tandem.server.scheduling.sampling_params import SamplingParams
 
 PAGE = 16

@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import zipfile
 
-from tandem.server.edge.grpc_servicer import tokenizer_archive
+from tandem.server.edge.grpc_status import tokenizer_archive
 
 
 def test_the_archive_holds_the_tokenizer_and_config_but_no_weights(tmp_path):
