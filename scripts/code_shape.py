@@ -67,12 +67,26 @@ def classes_and_functions(mods: dict[str, Path]) -> tuple[list[Block], list[Bloc
     return classes, functions
 
 
-def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the tandem modules it imports (at the top or inside a function; TYPE_CHECKING ones too)."""
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:`: for annotations, never run."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return ids
+
+
+def imports(mods: dict[str, Path], type_checking: bool = True) -> dict[str, set[str]]:
+    """module -> the tandem modules it imports (at the top or inside a function; those under
+    `if TYPE_CHECKING:` only with `type_checking`)."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
         package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        skip = set() if type_checking else _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -184,6 +198,7 @@ def report(top: int) -> dict:
         "package_edges": {p: sorted(t) for p, t in sorted(package_edges(graph).items())},
         "upward": upward(graph),
         "cycles": cycles(graph),
+        "runtime_cycles": cycles(imports(mods, type_checking=False)),
     }
 
 
@@ -206,9 +221,10 @@ def main() -> None:
     print(f"\nimports running up the layers: {len(r['upward'])}")
     for src, dst in r["upward"]:
         print(f"  {src} -> {dst}")
-    print(f"\nimport cycles between modules: {len(r['cycles'])}")
+    print(f"\nimport cycles between modules: {len(r['cycles'])}, of which {len(r['runtime_cycles'])} without the "
+          "imports under `if TYPE_CHECKING:`")
     for comp in r["cycles"]:
-        print("  " + " <-> ".join(comp))
+        print("  " + " <-> ".join(comp) + ("" if comp in r["runtime_cycles"] else "  (TYPE_CHECKING only)"))
     print("\npackage -> packages it imports:")
     for p, ts in r["package_edges"].items():
         print(f"  {p} -> {', '.join(ts)}")
