@@ -1,8 +1,8 @@
 """A decode's calls to its prefill peers: the handshake with each prefill process, room-status
-polls while requests wait on it, heartbeats every --peer-heartbeat-interval, and the goodbye on
-shutdown. The answers go to decode_peers.py's state machine; its transitions are acted on here (counted,
-logged, the registration retired, a new handshake started). The connector (decode.py) asks which
-registration a new room goes through and says which rooms wait on which peer.
+polls while requests wait on it, heartbeats every --peer-heartbeat-interval, room cancels, and the
+goodbye on shutdown. The answers go to decode_peers.py's state machine; its transitions are acted
+on here (counted, logged, the registration retired, a new handshake started). The connector
+(decode.py) asks which registration a new room goes through and says which rooms wait on which peer.
 """
 
 from __future__ import annotations
@@ -137,6 +137,18 @@ class PrefillLinks:
         log.info("re-handshake with %s: it replaced instance %s", peer, before)
         for old, moved in replaced:  # the predecessor is gone: a new process holds its address
             self.apply(old, moved)
+
+    def cancel(self, peer: PrefillLink, room: int, message: str) -> None:
+        """Ask `peer` to end `room` (if it can hear): the room-status polls decide what happens to
+        the pages registered there."""
+        self.pool.submit(self._cancel, peer.client, room, message)
+
+    @staticmethod
+    def _cancel(client: BootstrapClient, room: int, message: str) -> None:
+        try:
+            client.cancel(room, message)
+        except BootstrapError as e:
+            log.info("cancelling bootstrap_room %d: %s", room, e)
 
     def next_heartbeat(self) -> float | None:
         """Seconds until a ready peer's next heartbeat is due (None: no heartbeats to send)."""
