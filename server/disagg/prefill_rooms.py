@@ -77,6 +77,16 @@ class DecodePeer:
     parts: tuple[KVBuffer, ...]  # its KV pool, one buffer per tensor-parallel rank
     record_base: int  # address of arrival-record slot 0
 
+    @classmethod
+    def from_json(cls, body: dict, layout: KVLayout) -> DecodePeer:
+        """A decode's handshake, checked against this prefill's `layout` (LayoutMismatch: the two
+        can never exchange KV)."""
+        theirs = KVLayout.from_json(body["layout"])
+        layout.check_compatible(theirs, here="on prefill", there="on decode")
+        parts = tuple(KVBuffer.from_json(part) for part in body["kv_parts"])
+        check_split(theirs, list(parts), f"of decode {body['decode']}")
+        return cls(body["decode"], body["decode_instance"], body["session"], parts, body["record_base"])
+
     @property
     def num_pages(self) -> int:
         return self.parts[0].num_pages
@@ -97,6 +107,19 @@ class Registration:
     record_slot: int
     skip_pages: int = 0  # leading prompt pages the decode holds already (its prefix cache): not sent
 
+    @classmethod
+    def from_json(cls, body: dict, peer: DecodePeer, page_size: int) -> Registration:
+        """`peer`'s destination for one room; ValueError for pages that do not fit its prompt or pool."""
+        pages, prompt_len, skip = list(body["pages"]), int(body["prompt_len"]), int(body.get("skip_pages", 0))
+        need = -(-prompt_len // page_size)
+        if not 0 <= skip < need:
+            raise ValueError(f"skip_pages {skip} for {prompt_len} prompt tokens: must be in [0, {need}) "
+                             "(the last prompt page always moves)")
+        if len(pages) != need - skip or not all(0 <= p < peer.num_pages for p in pages):
+            raise ValueError(f"{len(pages)} destination pages for {prompt_len} prompt tokens with skip_pages {skip}; "
+                             f"need {need - skip} in [0, {peer.num_pages})")
+        return cls(peer, body["request_id"], prompt_len, int(body["digest"]), pages, int(body["record_slot"]), skip)
+
 
 @dataclass
 class Room:
@@ -111,6 +134,20 @@ class Room:
     code: str = ""  # on failure: the gRPC status name (deadline_exceeded, unavailable, ...)
     cancelled: bool = False  # the decode side asked to stop
     finished_at: float | None = None
+
+    def fail(self, message: str, code: str) -> None:
+        """Final: both legs end with `message` and the gRPC status `code`."""
+        self.state, self.message, self.code, self.finished_at = RoomState.FAILED, message, code or "aborted", time.monotonic()
+
+    def check_same_request(self) -> None:
+        """Both legs are here: fail the room if they carry different prompts."""
+        reg = self.registration
+        if reg.prompt_len != self.prompt_len or reg.digest != self.digest:
+            self.fail(
+                f"wrong bootstrap_room {self.room}: the decode registered request {reg.request_id!r} "
+                f"({reg.prompt_len} prompt tokens), the prefill holds a different prompt ({self.prompt_len} tokens)",
+                "failed_precondition",
+            )
 
 
 class PrefillRoomTable:
@@ -148,11 +185,7 @@ class PrefillRoomTable:
     def add_peer(self, body: dict) -> DecodePeer:
         """A decode's handshake. A new instance at a known name replaces its predecessor, whose
         unfinished rooms fail: the process that registered them is gone."""
-        theirs = KVLayout.from_json(body["layout"])
-        self.layout.check_compatible(theirs, here="on prefill", there="on decode")
-        parts = tuple(KVBuffer.from_json(part) for part in body["kv_parts"])
-        check_split(theirs, list(parts), f"of decode {body['decode']}")
-        peer = DecodePeer(body["decode"], body["decode_instance"], body["session"], parts, body["record_base"])
+        peer = DecodePeer.from_json(body, self.layout)
         with self._lock:
             if self._leaving_since is not None:
                 raise PeerRefused("leaving", f"prefill instance {self.instance} is shutting down; no new decode peers")
@@ -216,15 +249,7 @@ class PrefillRoomTable:
             if self._leaving_since is not None and not claimed:
                 raise PeerRefused("leaving", f"prefill instance {self.instance} is shutting down: bootstrap_room "
                                              f"{body['room']} has no prefill request here and will get none")
-            pages, prompt_len, skip = list(body["pages"]), int(body["prompt_len"]), int(body.get("skip_pages", 0))
-            need = -(-prompt_len // self.layout.page_size)
-            if not 0 <= skip < need:
-                raise ValueError(f"skip_pages {skip} for {prompt_len} prompt tokens: must be in [0, {need}) "
-                                 "(the last prompt page always moves)")
-            if len(pages) != need - skip or not all(0 <= p < peer.num_pages for p in pages):
-                raise ValueError(f"{len(pages)} destination pages for {prompt_len} prompt tokens with skip_pages {skip}; "
-                                 f"need {need - skip} in [0, {peer.num_pages})")
-            reg = Registration(peer, body["request_id"], prompt_len, int(body["digest"]), pages, int(body["record_slot"]), skip)
+            reg = Registration.from_json(body, peer, self.layout.page_size)
             room = self._rooms.get(body["room"])
             if room is None:
                 room = self._rooms[body["room"]] = Room(body["room"])
@@ -233,7 +258,7 @@ class PrefillRoomTable:
             room.registration = reg
             if room.state == RoomState.CLAIMED:
                 room.state = RoomState.QUEUED
-                self._check_same_request(room)
+                room.check_same_request()
         self.wake()
         return room
 
@@ -244,7 +269,7 @@ class PrefillRoomTable:
                 room = self._rooms[room_id] = Room(room_id)
             room.cancelled = True
             if room.state in (RoomState.REGISTERED, RoomState.CLAIMED, RoomState.QUEUED):
-                self._fail(room, message, "aborted")
+                room.fail(message, "aborted")
             state = room.state
         self.wake()
         return state
@@ -282,12 +307,12 @@ class PrefillRoomTable:
             if room is None or (room.claimed_by is not None and room.state in (RoomState.DONE, RoomState.FAILED)):
                 room = self._rooms[room_id] = Room(room_id, state=RoomState.CLAIMED)  # new, or a finished room's number reused
             elif room.claimed_by is not None:
-                self._fail(room, f"bootstrap_room {room_id} is used by two prefill requests at once", "aborted")
+                room.fail(f"bootstrap_room {room_id} is used by two prefill requests at once", "aborted")
             elif room.state == RoomState.REGISTERED:
                 room.state = RoomState.QUEUED
             room.claimed_by, room.prompt_len, room.digest = rid, prompt_len, digest
             if room.state == RoomState.QUEUED:
-                self._check_same_request(room)
+                room.check_same_request()
             return room
 
     def start_transfer(self, room_id: int) -> Registration | None:
@@ -310,7 +335,7 @@ class PrefillRoomTable:
             if room is None or room.state in (RoomState.DONE, RoomState.FAILED):
                 return
             if state == RoomState.FAILED:
-                self._fail(room, message, code)
+                room.fail(message, code)
             else:
                 room.state, room.message = state, message
                 if state == RoomState.DONE:
@@ -321,10 +346,8 @@ class PrefillRoomTable:
         with self._lock:
             for room in list(self._rooms.values()):
                 if room.state == RoomState.REGISTERED and now - room.created > bootstrap_timeout:
-                    self._fail(
-                        room, f"no prefill request arrived for bootstrap_room {room.room} within {bootstrap_timeout:g}s",
-                        "deadline_exceeded",
-                    )
+                    room.fail(f"no prefill request arrived for bootstrap_room {room.room} within {bootstrap_timeout:g}s",
+                              "deadline_exceeded")
                 elif room.finished_at is not None and now - room.finished_at > FINISHED_ROOM_RETENTION_S:
                     del self._rooms[room.room]
 
@@ -335,20 +358,7 @@ class PrefillRoomTable:
         for room in self._rooms.values():
             unstarted = room.state in (RoomState.REGISTERED, RoomState.QUEUED)
             if room.registration is not None and room.registration.peer is peer and unstarted:
-                self._fail(room, message, "unavailable")
+                room.fail(message, "unavailable")
                 failed += 1
         return failed
 
-    def _check_same_request(self, room: Room) -> None:
-        reg = room.registration
-        if reg.prompt_len != room.prompt_len or reg.digest != room.digest:
-            self._fail(
-                room,
-                f"wrong bootstrap_room {room.room}: the decode registered request {reg.request_id!r} "
-                f"({reg.prompt_len} prompt tokens), the prefill holds a different prompt ({room.prompt_len} tokens)",
-                "failed_precondition",
-            )
-
-    @staticmethod
-    def _fail(room: Room, message: str, code: str) -> None:
-        room.state, room.message, room.code, room.finished_at = RoomState.FAILED, message, code or "aborted", time.monotonic()
