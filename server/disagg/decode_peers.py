@@ -1,6 +1,6 @@
 """A decode server's prefill peers: the state machine of its registration with each prefill
-process, the counterpart of prefill_rooms.py on the prefill side. Pure: no I/O, no threads. The decode's
-connector (decode.py) makes the calls and feeds in what they answered (instance ids, `leaving`,
+process, the counterpart of prefill_rooms.py on the prefill side. Pure: no I/O, no threads.
+decode_links.py makes the calls and feeds in what they answered (instance ids, `leaving`,
 `known`), how they failed (unreachable, connection refused) and the time.
 
 A `PrefillPeer` is this decode's registration with one prefill *process* (its instance id, read at the
