@@ -5,7 +5,7 @@ activations are megabytes each. With glibc's malloc, its _int_malloc, malloc_con
 _int_free took 2.4% of the engine thread's samples in a profile of the c8 workload, serial work the
 other compute thread waits through. tcmalloc keeps freed memory in its caches (vLLM's CPU guide has
 it preloaded too): `tandem bench peers`, five paired repeats, c8 throughput 1.04x glibc's (median),
-one stream's TPOT 0.93x (docs/performance.md).
+one stream's TPOT 0.93x (docs/performance-log.md, "CPU servers on tcmalloc").
 
 A malloc is chosen before the process allocates anything, so tcmalloc can only be preloaded: the
 `tandem serve` command re-executes itself once, the same command line with LD_PRELOAD naming the

@@ -38,7 +38,7 @@ def overlap_scheduling(config: EngineConfig, device: torch.device, role: str = "
     """`--disable-overlap-schedule`, or where it is unset: overlap on CUDA, and on a CPU for a
     decode server and with `--compute-priority idle`. On a CPU the host work overlap hides is
     about 1% of a step, and it costs a new prompt one more step of waiting (the next step is
-    already launched when it arrives; docs/performance.md, "Overlap scheduling on two cores", has
+    already launched when it arrives; docs/performance-log.md, "Overlap scheduling on two cores", has
     the measurement), which a decode, with no prompts to prefill, does not pay. It frees the engine
     thread to poll while a step computes: a decode notices arrived KV mid-step
     (`OverlappedSteps.poll_while_running`), and at idle priority the engine thread goes on while
