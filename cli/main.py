@@ -77,7 +77,7 @@ def _read_prompts(args) -> list[str]:
 
 def cmd_generate(args) -> int:
     from tandem.server.loop.engine import Engine
-    from tandem.server.model import ModelLoadError
+    from tandem.server.model.loader import ModelLoadError
     from tandem.server.scheduling.sampling_params import InvalidRequestError
 
     prompts = _read_prompts(args)

@@ -19,18 +19,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def smollm_fp32():
-    from tandem.server.model import load_model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.load import load_model
 
-    return load_model("builtin:smollm2-135m", "float32", "cpu")
+    return load_model(EngineConfig(model="builtin:smollm2-135m", dtype="float32", device="cpu"))
 
 
 @pytest.fixture(scope="session")
 def smollm_bf16_prefill():
     """The built-in model in float32 with its products over many rows in bfloat16 (what `auto` picks
     on a CPU with AVX512-BF16): prompt pieces, and decode steps from BFLOAT16_MIN_ROWS rows."""
-    from tandem.server.model import load_model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.load import load_model
 
-    return load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16")
+    return load_model(EngineConfig(model="builtin:smollm2-135m", dtype="float32", device="cpu", prefill_dtype="bfloat16"))
 
 
 @pytest.fixture

@@ -98,7 +98,7 @@ def run_tandem(config: EngineConfig, work, outputs: list | None = None) -> dict:
         results = [s.result() for s in streams]
         elapsed = time.perf_counter() - start
         steps = engine.call(lambda: engine.scheduler.stats.forward_steps) - warm_steps
-        dtype = str(engine.model.dtype).removeprefix("torch.")
+        dtype = str(engine.model.precision.weights).removeprefix("torch.")
         ranks, overlap = engine.ranks, engine.overlap
         tp = None if ranks is None else (ranks.group.calls, ranks.group.seconds, ranks.sends, ranks.send_seconds)
     if outputs is not None:
@@ -131,7 +131,7 @@ def run_hf(config: EngineConfig, work, batch_size: int, dtype: str) -> dict:
     """`dtype`: the one tandem's run loaded (what `--dtype auto` resolved to there)."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.server.model import DTYPES
+    from tandem.server.model.precision import DTYPES
     from tandem.server.model.loader import resolve_model
 
     source = resolve_model(config.model)

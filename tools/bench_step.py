@@ -45,6 +45,7 @@ from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.linear import use_stripes
 from tandem.kernels.torch_attention import TorchAttention
+from tandem.server.config import EngineConfig
 
 PAGE_SIZE = 16
 
@@ -70,17 +71,18 @@ def prefill_batch(rows: int, length: int, num_pages: int, rng: random.Random) ->
 
 
 def run(args) -> int:
-    from tandem.server.model import load_model
+    from tandem.server.model.load import load_model
 
     native = cpu_ops_unavailable() is None
     if args.compare != "kv-pages" and not native:
         raise SystemExit(f"bench step compares tandem's native kernels, which cannot run here: {cpu_ops_unavailable()}")
-    loaded = load_model(args.model, "float32" if args.compare == "weights" else args.dtype, "cpu")
+    loaded = load_model(EngineConfig(model=args.model, dtype="float32" if args.compare == "weights" else args.dtype,
+                                     device="cpu"))
     model, c = loaded.module, loaded.config
-    if loaded.compute_dtype not in (torch.float32, torch.bfloat16):
-        raise SystemExit(f"tandem's native kernels take float32 or bfloat16; this model computes in {loaded.compute_dtype}")
+    if loaded.precision.compute not in (torch.float32, torch.bfloat16):
+        raise SystemExit(f"tandem's native kernels take float32 or bfloat16; this model computes in {loaded.precision.compute}")
 
-    def backend(huge_pages: bool, cache: PagedKVCache | None = None, dtype: torch.dtype = loaded.compute_dtype,
+    def backend(huge_pages: bool, cache: PagedKVCache | None = None, dtype: torch.dtype = loaded.precision.compute,
                 prompt_dtype: torch.dtype | None = None) -> TorchAttention:
         if cache is None:
             cache = PagedKVCache(c.num_layers, args.kv_tokens // PAGE_SIZE, PAGE_SIZE, c.kv_heads, c.kv_dim,
@@ -100,16 +102,18 @@ def run(args) -> int:
         gathered.in_place_decode = False
         forms = {"in_place": (model, in_place, True), "gathered": (model, gathered, True)}
     elif args.compare == "weights":
-        from tandem.server.model import _native_bf16_flags, runnable_flags
+        from tandem.kernels.isa import runnable_flags
+        from tandem.server.model.precision import _native_bf16_flags
 
-        forms = {"4bit": (model, backend(True), True),
-                 "int8": (load_model(args.model, "float32", "cpu", gguf_blocks="int8").module, backend(True), True)}
+        int8 = EngineConfig(model=args.model, dtype="float32", device="cpu", gguf_blocks="int8")
+        forms = {"4bit": (model, backend(True), True), "int8": (load_model(int8).module, backend(True), True)}
         if _native_bf16_flags(runnable_flags()):
-            forms["bfloat16"] = (load_model(args.model, "bfloat16", "cpu").module, backend(True, dtype=torch.bfloat16), True)
+            forms["bfloat16"] = (load_model(EngineConfig(model=args.model, dtype="bfloat16", device="cpu")).module,
+                                 backend(True, dtype=torch.bfloat16), True)
     elif args.compare == "prompt-attention":
         if model.prefill_dtype is None:
             raise SystemExit(f"--compare prompt-attention needs a float32 model with bfloat16 prompt products "
-                             f"(--prefill-dtype); this one computes in {loaded.compute_dtype} throughout")
+                             f"(--prefill-dtype); this one computes in {loaded.precision.compute} throughout")
         bf16 = backend(True, prompt_dtype=model.prefill_dtype)
         forms = {"bfloat16": (model, bf16, True), "float32": (model, backend(True, bf16.kv_cache), True)}
     elif args.compare == "fused-layer":
@@ -127,7 +131,7 @@ def run(args) -> int:
                              "(a GGUF file's Q4 blocks, with tandem's CPU kernels)")
         use_stripes(False)
         try:
-            nibbles = load_model(args.model, args.dtype, "cpu").module
+            nibbles = load_model(EngineConfig(model=args.model, dtype=args.dtype, device="cpu")).module
         finally:
             use_stripes(True)
         attn = backend(True)
@@ -177,7 +181,7 @@ def run(args) -> int:
         first, *others = ms
         print(json.dumps({
             "bench": "step", "compare": args.compare, "model": args.model, "rows": rows, "context": args.context,
-            "steps": args.steps, "dtype": str(loaded.compute_dtype).removeprefix("torch."), "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
+            "steps": args.steps, "dtype": str(loaded.precision.compute).removeprefix("torch."), "threads": torch.get_num_threads(), **{f"{name}_ms": round(v, 2) for name, v in ms.items()},
             **{f"{first}_vs_{other}": round(ms[first] / ms[other], 3) for other in others},
         }), flush=True)
     return 0

@@ -11,7 +11,7 @@ from tandem.kernels.kv_cache import PagedKVCache
 from tandem.server.cgroup import gib, memory_available
 from tandem.server.config import EngineConfig
 from tandem.server.disagg.layout import KVLayout
-from tandem.server.model import LoadedModel
+from tandem.server.model.load import LoadedModel
 
 log = logging.getLogger("tandem.engine")
 
@@ -20,7 +20,7 @@ def num_kv_pages(config: EngineConfig, model: LoadedModel, context_length: int) 
     if config.max_total_tokens is not None:
         return config.max_total_tokens // config.page_size
     mc = model.module.config  # this tensor-parallel rank's KV heads
-    per_token = kv_bytes_per_token(mc, model.kv_dtype)
+    per_token = kv_bytes_per_token(mc, model.precision.kv)
     free, source = free_memory_bytes(model.device)
     budget = int(free * config.kv_memory_fraction)
     if model.device.type == "cpu":  # every rank's pool comes out of the same host memory

@@ -30,6 +30,7 @@ from tandem.kernels.linear import Linear
 from tandem.server.model.config import ROPE_TYPES, ModelConfig, yarn_mscale
 from tandem.server.model.mla import LatentAttention
 from tandem.server.model.moe import SparseMoE
+from tandem.server.model.precision import Precision
 from tandem.server.model.shard import Shard, shard_model
 
 
@@ -232,25 +233,22 @@ class LlamaForCausalLM(nn.Module):
         self,
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        dtype: torch.dtype,
+        precision: Precision,
         device,
-        compute_dtype: torch.dtype | None = None,
         blocks: dict[str, BlockWeights] | None = None,
-        prefill_dtype: torch.dtype | None = None,
         shard: Shard = Shard(),
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        four_bit: bool = True,
     ):
-        """Weights are rounded to `dtype` and held (and computed with) in `compute_dtype`
-        (default: `dtype`). `blocks`: the block-quantized form of some weights (the loader's
-        `load_block_weights`), used only where the weights stay float32, on the CPU. `prefill_dtype`:
-        where the weights stay float32 on the CPU, the dtype of products over many rows (`Linear`).
+        """Weights are rounded to `precision.weights` and held (and computed with) in
+        `precision.compute`. `blocks`: the block-quantized form of some weights (the loader's
+        `load_block_weights`), used only where the weights stay float32, on the CPU, in 4 bits where
+        they fit and `precision.four_bit` (`Linear`); there products over many rows run in
+        `precision.narrow_prefill` where it is set (`Linear`'s prefill_dtype).
         `shard`: which tensor-parallel rank this is (`tandem.server.model.shard`): `config` then
         describes the rank's own heads and features, `all_reduce` sums the row-parallel outputs
-        across the ranks, and only rank 0 has an lm_head. `four_bit`: blocks that fit 4 bits are
-        multiplied in that form (`Linear`)."""
+        across the ranks, and only rank 0 has an lm_head."""
         super().__init__()
-        compute_dtype = compute_dtype or dtype
+        dtype, compute_dtype = precision.weights, precision.compute
         if dtype != torch.float32 or compute_dtype != torch.float32 or torch.device(device).type != "cpu":
             blocks = None
         config, weights, blocks = shard_model(config, weights, blocks or {}, shard)
@@ -258,14 +256,14 @@ class LlamaForCausalLM(nn.Module):
             weights = {k: v + 1 if _is_norm(k) else v for k, v in weights.items()}
         self.config = config
         self.shard = shard
-        self.prefill_dtype = prefill_dtype  # where set, prompt attention computes in it too (create_backend)
+        self.prefill_dtype = precision.narrow_prefill  # where set, prompt attention computes in it too (create_backend)
         if shard.size > 1 and all_reduce is None:
             raise ValueError(f"tensor-parallel rank {shard.rank} of {shard.size} needs an all_reduce")
         self.all_reduce = all_reduce or (lambda t: t)
         w = {k: v.to(dtype=dtype).to(compute_dtype).to(device) for k, v in weights.items() if k != "rope_freqs"}
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, prefill_dtype, all_reduce, four_bit)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, w, blocks, self.prefill_dtype, all_reduce,
+                                                 precision.four_bit) for i in range(config.num_layers))
         # Every layer in one native call at decode steps, where each could be fused and all take one RoPE table
         self.fused_stack = (FusedDecodeStack.build([layer.fused for layer in self.layers])
                             if not (config.sliding_layers and config.local_rope_theta) else None)
@@ -273,8 +271,8 @@ class LlamaForCausalLM(nn.Module):
         # Kept apart from the embedding even when tied: lookups want plain [vocab, hidden] rows,
         # the logits GEMM its own layout.
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = (Linear(w[head], blocks=blocks.get(head), prefill_dtype=prefill_dtype, four_bit=four_bit)
-                        if shard.rank == 0 else None)
+        self.lm_head = (Linear(w[head], blocks=blocks.get(head), prefill_dtype=self.prefill_dtype,
+                               four_bit=precision.four_bit) if shard.rank == 0 else None)
         # RoPE tables: the global layers', and the sliding-window layers' own where they have one
         self.register_buffer("inv_freq", rope_inv_freq(config.rope_dim, config.rope_theta, config.rope_scaling,
                                                        weights.get("rope_freqs")), persistent=False)

@@ -84,9 +84,9 @@ def test_bfloat16_engine_serves():
 
     with Engine(EngineConfig(dtype="bfloat16", max_total_tokens=2048, page_size=16)) as engine:
         # bf16-rounded weights; math and KV cache in float32 unless the CPU does bf16 natively.
-        assert engine.kv_cache.k[0].dtype == engine.model.compute_dtype
-        assert engine.model.module.embed.dtype == engine.model.compute_dtype
-        assert torch.equal(engine.model.module.embed, engine.model.module.embed.bfloat16().to(engine.model.compute_dtype))
+        assert engine.kv_cache.k[0].dtype == engine.model.precision.compute
+        assert engine.model.module.embed.dtype == engine.model.precision.compute
+        assert torch.equal(engine.model.module.embed, engine.model.module.embed.bfloat16().to(engine.model.precision.compute))
         outs = engine.generate(["The capital of France is", "1, 2, 3, 4,"], SamplingParams(max_new_tokens=6, temperature=0))
         assert "Paris" in outs[0].text
         assert outs[1].text.strip().startswith("5")

@@ -24,6 +24,7 @@ from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.server.loop.cuda_graphs import DecodeGraphs
 from tandem.server.loop.runner import ForwardInputs, forward_pass
 from tandem.server.model.llama import LlamaForCausalLM
+from tandem.server.model.precision import Precision
 from tandem.server.model.random_weights import random_weights, shape_config
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +40,7 @@ DECISIVE_GAP = 0.1  # logits: bfloat16 noise between the two forms stays far bel
 def test_graph_decode_matches_eager(shape):
     device = torch.device("cuda")
     c = shape_config(shape, num_layers=2, vocab_size=8192)
-    model = LlamaForCausalLM(c, random_weights(c, torch.bfloat16, device), torch.bfloat16, device)
+    model = LlamaForCausalLM(c, random_weights(c, torch.bfloat16, device), Precision.uniform(torch.bfloat16), device)
     cache = PagedKVCache(c.num_layers, NUM_PAGES + 1, PAGE, c.num_kv_heads, c.head_dim, torch.bfloat16, device)
     cache.buffer.normal_()  # the cached prefixes: random K and V
     eager = FlashInferAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
@@ -86,10 +87,10 @@ def test_engine_decodes_through_graphs():
     --disable-cuda-graph it captures none."""
     from tandem.server.config import EngineConfig
     from tandem.server.loop.engine import Engine
-    from tandem.server.model import load_model
+    from tandem.server.model.load import load_model
     from tandem.server.scheduling.sampling_params import SamplingParams
 
-    model = load_model(random_model("llama3.2-1b"), "bfloat16", "cuda")
+    model = load_model(EngineConfig(model=random_model("llama3.2-1b"), dtype="bfloat16", device="cuda"))
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randrange(5, 300))] for _ in range(11)]
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)

@@ -90,9 +90,9 @@ def test_greedy_matches_reference_with_int8_blocks(greedy_workload):
     from tandem.kernels.block_linear import BlockWeights
     from tandem.server.config import EngineConfig
     from tandem.server.loop.engine import Engine
-    from tandem.server.model import load_model
+    from tandem.server.model.load import load_model
 
-    model = load_model("builtin:smollm2-135m", "float32", "cpu", gguf_blocks="int8")
+    model = load_model(EngineConfig(model="builtin:smollm2-135m", dtype="float32", device="cpu", gguf_blocks="int8"))
     assert all(isinstance(layer.gate_up.blocks, BlockWeights) for layer in model.module.layers)
     engine = Engine(EngineConfig(page_size=16, chunked_prefill_size=256, max_total_tokens=16384), model=model).start()
     try:

@@ -12,6 +12,7 @@ from support.tiny_models import forward_logits, write_deepseek_v3, write_gemma3,
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import load_weights, resolve_model
 from tandem.server.model.moe import SparseMoE
+from tandem.server.model.precision import Precision
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.gpu
 def test_float32_logits_on_cuda_equal_hfs(tmp_path, writer):
     hf = writer(tmp_path)
     config, weights = load_weights(resolve_model(str(tmp_path)))
-    ours = LlamaForCausalLM(config, weights, torch.float32, "cuda")
+    ours = LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cuda")
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = hf(ids[None]).logits[0].float()

@@ -22,7 +22,8 @@ from support.prompts import prompts
 from tandem.kernels import layer_ops
 from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes,
                                          bfloat16_blocks_unavailable)
-from tandem.kernels.linear import BFLOAT16_MIN_ROWS, use_stripes
+from tandem.kernels.linear import use_stripes
+from tandem.kernels.weight_forms import BFLOAT16_MIN_ROWS
 
 NEW_TOKENS = 24
 # Measured on the prompts below (19 to 1,710 tokens): this path's logits are off by 0.06-0.08 on
@@ -89,10 +90,11 @@ def test_decode_sized_products_round_against_the_blocks(hf_reference, smollm_bf1
     which from BFLOAT16_MIN_ROWS multiplies the GGUF blocks in bfloat16: the file's own forms (the
     layers' Q4_1 blocks in 4 bits, in stripes; the LM head's Q8_0 in 8), or, with `--gguf-blocks int8`,
     int8 blocks. Without AVX512-BF16 they stay float32 products."""
-    from tandem.server.model import load_model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.load import load_model
 
-    loaded = smollm_bf16_prefill if gguf_blocks == "4bit" else load_model(
-        "builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", gguf_blocks="int8")
+    loaded = smollm_bf16_prefill if gguf_blocks == "4bit" else load_model(EngineConfig(
+        model="builtin:smollm2-135m", dtype="float32", device="cpu", prefill_dtype="bfloat16", gguf_blocks="int8"))
     piece = 6
     assert BFLOAT16_MIN_ROWS <= piece <= BLOCK_MAX_ROWS
     why = bfloat16_blocks_unavailable()
@@ -119,14 +121,15 @@ def test_one_row_decode_steps_over_a_bfloat16_kv_cache_stay_within_the_tolerance
     """`--kv-cache-dtype auto` keeps the cache in bfloat16 beside bfloat16 prompts where the CPU
     multiplies bfloat16 natively (forced here elsewhere): one-row decode steps, whose products are
     float32 and exact, then read K and V rounded to bfloat16, and write theirs rounded."""
-    from tandem.server.model import load_model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.load import load_model
 
     loaded = smollm_bf16_prefill
-    if loaded.kv_dtype != torch.bfloat16:
+    if loaded.precision.kv != torch.bfloat16:
         assert bfloat16_blocks_unavailable() is not None  # auto chose float32 only where bfloat16 is not native
-        loaded = load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16",
-                            kv_cache_dtype="bfloat16")
-    assert loaded.kv_dtype == torch.bfloat16
+        loaded = load_model(EngineConfig(model="builtin:smollm2-135m", dtype="float32", device="cpu",
+                                         prefill_dtype="bfloat16", kv_cache_dtype="bfloat16"))
+    assert loaded.precision.kv == torch.bfloat16
     ids = prompts(loaded.tokenizer)
     for p in (ids[3], ids[7]):
         with torch.inference_mode():
@@ -148,10 +151,12 @@ def test_one_row_steps_over_the_stripes_are_float32s_product(hf_reference):
     float32 (each column of x against the 4-bit values, the scales applied to the blocks' sums): every
     token of a prompt fed as a one-row decode step over a float32 KV cache gives HF's float32 logits as
     closely as the same model held as `Nibbles` (whose kernels rebuild every float32 weight) does."""
-    from tandem.server.model import load_model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.load import load_model
 
     def load():
-        return load_model("builtin:smollm2-135m", "float32", "cpu", prefill_dtype="bfloat16", kv_cache_dtype="float32")
+        return load_model(EngineConfig(model="builtin:smollm2-135m", dtype="float32", device="cpu",
+                                       prefill_dtype="bfloat16", kv_cache_dtype="float32"))
 
     loaded = load()
     assert isinstance(loaded.module.layers[0].qkv.blocks, NibbleStripes)

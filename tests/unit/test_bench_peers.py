@@ -185,12 +185,14 @@ def test_the_floor_counts_the_weights_in_the_form_tandem_holds(gguf_blocks):
     """The built-in file's layers in 4 bits (held in stripes, the Nibbles' bytes) or widened to int8,
     its LM head as Q8_0: what a one-row step streams, named by its form."""
     from tandem.kernels.cpu_ops import cpu_ops_unavailable
-    from tandem.server.model import load_model
+    from tandem.server.config import EngineConfig
+    from tandem.server.model.load import load_model
 
     assert cpu_ops_unavailable() is None, cpu_ops_unavailable()
     nbytes, form = decode_weight_bytes("builtin:smollm2-135m", "float32", gguf_blocks)
     assert form == {"4bit": "4-bit-block", "int8": "int8-block"}[gguf_blocks]
-    module = load_model("builtin:smollm2-135m", "float32", "cpu", gguf_blocks=gguf_blocks).module
+    module = load_model(EngineConfig(model="builtin:smollm2-135m", dtype="float32", device="cpu",
+                                     gguf_blocks=gguf_blocks)).module
     projections = [getattr(layer, name) for layer in module.layers for name in ("qkv", "o", "gate_up", "down")]
     assert nbytes == sum(p.blocks.nbytes() for p in projections) + module.lm_head.blocks.nbytes()
     per_weight = sum(p.blocks.nbytes() for p in projections) / sum(p.blocks.dequantize().numel() for p in projections)

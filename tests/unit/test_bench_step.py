@@ -84,7 +84,8 @@ def test_bench_step_compares_weight_prefetch_with_none():
 
 
 def test_bench_step_compares_prompt_attention_where_prompts_run_in_bfloat16():
-    from tandem.server.model import _native_bf16_flags, runnable_flags
+    from tandem.kernels.isa import runnable_flags
+    from tandem.server.model.precision import _native_bf16_flags
 
     proc = bench_step("--compare", "prompt-attention", "--rows", "2", "--context", "40", "--kv-tokens", "1024")
     if not _native_bf16_flags(runnable_flags()):  # auto keeps float32 prompts there: nothing to compare

@@ -18,6 +18,7 @@ from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import ModelLoadError, load_weights, resolve_model
 from tandem.server.model.mla import LatentAttention, deinterleave
 from tandem.server.model.moe import SparseMoE
+from tandem.server.model.precision import Precision
 from tandem.server.model.shard import Shard, shard_model
 
 
@@ -49,7 +50,7 @@ def test_deepseek_v3_gives_hf_float32_logits(tmp_path, q_lora_rank):
     hf = write_deepseek_v3(tmp_path, q_lora_rank=q_lora_rank)
     config, weights = load_weights(resolve_model(str(tmp_path)))
     assert config.q_lora_rank == (q_lora_rank or 0)
-    assert_hf_logits(LlamaForCausalLM(config, weights, torch.float32, "cpu"), hf, prompt())
+    assert_hf_logits(LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cpu"), hf, prompt())
 
 
 @pytest.mark.parametrize("change", [
@@ -69,7 +70,7 @@ def test_each_part_of_deepseek_v3_shows_in_the_logits(deepseek_dir, change):
     ids = prompt()
     with torch.inference_mode():
         expected = hf(ids[None]).logits[0]
-    other = LlamaForCausalLM(dataclasses.replace(config, **change), weights, torch.float32, "cpu")
+    other = LlamaForCausalLM(dataclasses.replace(config, **change), weights, Precision.uniform(torch.float32), "cpu")
     assert (forward_logits(other, ids) - expected).abs().max() > 1e-3
 
 

@@ -16,6 +16,7 @@ from support.tiny_models import (assert_hf_logits, forward_logits, gemma3_text_c
                                  write_gemma3)
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import ModelLoadError, load_weights, resolve_model
+from tandem.server.model.precision import Precision
 from tandem.server.model.shard import Shard, shard_model
 
 
@@ -44,7 +45,7 @@ def test_the_loader_reads_gemma3s_config(gemma3_dir):
 def test_gemma3_gives_hf_float32_logits(gemma3_dir):
     path, hf = gemma3_dir
     config, weights = load_weights(resolve_model(str(path)))
-    assert_hf_logits(LlamaForCausalLM(config, weights, torch.float32, "cpu"), hf, prompt())
+    assert_hf_logits(LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cpu"), hf, prompt())
 
 
 @pytest.mark.parametrize("change", [
@@ -63,7 +64,7 @@ def test_each_part_of_gemma3_shows_in_the_logits(gemma3_dir, change):
     ids = prompt()
     with torch.inference_mode():
         expected = hf(ids[None]).logits[0]
-    other = LlamaForCausalLM(dataclasses.replace(config, **change), weights, torch.float32, "cpu")
+    other = LlamaForCausalLM(dataclasses.replace(config, **change), weights, Precision.uniform(torch.float32), "cpu")
     assert not torch.allclose(forward_logits(other, ids), expected, atol=1e-2)
 
 
@@ -82,7 +83,7 @@ def test_a_multimodal_gemma3s_language_model_gives_hf_float32_logits(tmp_path):
     config, weights = load_weights(resolve_model(str(tmp_path)))
     assert config.architecture == "gemma3" and config.sliding_layers == (0, 1, 3)
     assert not any("vision" in name or "projector" in name for name in weights)
-    assert_hf_logits(LlamaForCausalLM(config, weights, torch.float32, "cpu"), hf, prompt())
+    assert_hf_logits(LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cpu"), hf, prompt())
 
 
 def test_tensor_parallel_ranks_split_gemma3s_heads_and_keep_its_norms(gemma3_dir):

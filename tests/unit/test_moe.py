@@ -15,6 +15,7 @@ from support.tiny_models import assert_hf_logits, write_mixtral, write_qwen3_moe
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import load_weights, resolve_model
 from tandem.server.model.moe import SparseMoE
+from tandem.server.model.precision import Precision
 from tandem.server.model.shard import Shard, shard_model
 
 
@@ -25,7 +26,7 @@ def test_qwen3_moe_gives_hf_float32_logits(tmp_path, renormalize):
     assert config.architecture == "qwen3_moe" and config.qk_norm
     assert (config.num_experts, config.experts_per_token, config.norm_topk_prob) == (8, 2, renormalize)
     assert config.sparse_layers == (0, 2)  # layer 1 is in mlp_only_layers
-    ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    ours = LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cpu")
     assert ours.layers[1].moe is None and ours.layers[0].moe is not None
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
     assert_hf_logits(ours, hf, ids)
@@ -67,7 +68,7 @@ def test_mixtral_gives_hf_float32_logits(tmp_path):
     assert config.architecture == "mixtral" and not config.qk_norm
     assert (config.num_experts, config.experts_per_token, config.norm_topk_prob, config.sparse_layers) == (4, 2, True, (0, 1))
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights  # read under Qwen3-MoE's names
-    ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    ours = LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cpu")
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
     assert_hf_logits(ours, hf, ids)
 

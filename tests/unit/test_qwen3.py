@@ -10,6 +10,7 @@ import torch
 from support.tiny_models import assert_hf_logits, forward_logits, write_qwen3
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import load_weights, resolve_model
+from tandem.server.model.precision import Precision
 from tandem.server.model.shard import Shard, shard_model
 
 
@@ -31,11 +32,11 @@ def test_the_loader_reads_qwen3s_config(qwen3_dir):
 def test_qwen3_gives_hf_float32_logits(qwen3_dir):
     path, hf = qwen3_dir
     config, weights = load_weights(resolve_model(str(path)))
-    ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    ours = LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cpu")
     ids = torch.randint(0, config.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
     expected = assert_hf_logits(ours, hf, ids)
     # Without the q/k norms the same weights give other logits: the test sees them.
-    plain = LlamaForCausalLM(config.__class__(**{**config.__dict__, "qk_norm": False}), weights, torch.float32, "cpu")
+    plain = LlamaForCausalLM(config.__class__(**{**config.__dict__, "qk_norm": False}), weights, Precision.uniform(torch.float32), "cpu")
     assert not torch.allclose(forward_logits(plain, ids), expected, atol=1e-2)
 
 
@@ -89,6 +90,6 @@ def test_a_qwen3_gguf_gives_hf_float32_logits(qwen3_dir, tmp_path):
     writer.close()
     config, weights = load_weights(resolve_model(str(tmp_path / "qwen3.gguf")))
     assert config.architecture == "qwen3" and config.qk_norm and config.head_dim == 32
-    ours = LlamaForCausalLM(config, weights, torch.float32, "cpu")
+    ours = LlamaForCausalLM(config, weights, Precision.uniform(torch.float32), "cpu")
     ids = torch.randint(0, c.vocab_size, (20,), generator=torch.Generator().manual_seed(2))
     assert_hf_logits(ours, hf, ids)

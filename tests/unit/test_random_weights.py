@@ -11,6 +11,7 @@ from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.torch_attention import TorchAttention
 from tandem.server.model.llama import LlamaForCausalLM
 from tandem.server.model.loader import ModelLoadError, resolve_model
+from tandem.server.model.precision import Precision
 from tandem.server.model.random_weights import SHAPES, parameter_shapes, parse_spec, random_weights, shape_config
 
 
@@ -56,7 +57,7 @@ def test_random_weights_run_as_hf_llama_does():
                              rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
                              tie_word_embeddings=False)).eval()
     hf.load_state_dict(weights, strict=True)  # every name and shape is HF's
-    ours = LlamaForCausalLM(c, weights, torch.float32, "cpu")
+    ours = LlamaForCausalLM(c, weights, Precision.uniform(torch.float32), "cpu")
     ids = torch.randint(0, c.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     cache = PagedKVCache(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
     attn = TorchAttention(cache, c.num_heads, c.head_dim, c.head_dim**-0.5)
