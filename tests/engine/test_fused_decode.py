@@ -15,9 +15,9 @@ import torch
 from tandem.kernels import fused_decode
 from tandem.kernels.attention import AttentionBatch
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, bfloat16_blocks_unavailable
-from tandem.kernels.linear import STRIPES_BFLOAT16_MIN_ROWS
 from tandem.kernels.kv_cache import PagedKVCache, flat_slots
 from tandem.kernels.torch_attention import TorchAttention
+from tandem.kernels.weight_forms import STRIPES_BFLOAT16_MIN_ROWS
 
 PAGE = 16
 PAGES = 256

@@ -7,7 +7,8 @@ import torch
 
 from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Nibbles, NibbleStripes,
                                          bfloat16_blocks_unavailable, block_gemm_bf16, block_gemm_q4_stripes)
-from tandem.kernels.linear import BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS, Linear
+from tandem.kernels.linear import Linear
+from tandem.kernels.weight_forms import BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS
 
 
 def random_blocks(n: int, k: int, kind: str, seed: int) -> BlockWeights:

@@ -14,7 +14,8 @@ from tandem.common.cpu import cpu_flags
 from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, bfloat16_blocks_unavailable,
                                          block_gemm, block_gemm_bf16)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.linear import BFLOAT16_MIN_ROWS, Linear
+from tandem.kernels.linear import Linear
+from tandem.kernels.weight_forms import BFLOAT16_MIN_ROWS
 from tandem.server.model.config import ModelConfig
 from tandem.server.model.loader import ModelSource, _unpermute, load_block_weights
 

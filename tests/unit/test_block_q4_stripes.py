@@ -15,7 +15,8 @@ from tandem.common.cpu import cpu_flags
 from tandem.kernels.block_linear import (BLOCK_MAX_ROWS, Nibbles, NibbleStripes, bfloat16_blocks_unavailable,
                                          block_gemm_q4_stripes)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.linear import STRIPES_BFLOAT16_MIN_ROWS, Linear, use_stripes
+from tandem.kernels.linear import Linear, use_stripes
+from tandem.kernels.weight_forms import STRIPES_BFLOAT16_MIN_ROWS
 
 from support.blocks import assert_float32_product, random_blocks
 
