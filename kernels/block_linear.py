@@ -8,9 +8,9 @@ each weight in float32 with one fused multiply-add, which gives the dequantized 
 and multiplies in float32: the arithmetic is float32's, the bytes streamed per weight are 1.25
 instead of 4.
 
-Where the values fit, the file's own forms are kept instead (`Linear` packs them): `Nibbles` for
-Q4_0 and Q4_1 (`block_gemm_q4`, 0.625 bytes a weight), `Bytes` for Q8_0 (`block_gemm_q8`, 1.0625),
-rebuilding the same values.
+Where the values fit, the file's own forms are kept instead (`Linear` packs them, through the block
+forms of weight_forms.py): `Nibbles` for Q4_0 and Q4_1 (`block_gemm_q4`, 0.625 bytes a weight),
+`Bytes` for Q8_0 (`block_gemm_q8`, 1.0625), rebuilding the same values.
 
 It pays where decoding is bound by weight bandwidth, a few rows at a time; larger batches go to
 oneDNN (`Linear` picks per call; `BLOCK_MAX_ROWS`). `tandem bench linear` measures both.
