@@ -1,7 +1,9 @@
 """The engine loop: one thread that owns the model, the KV pool and the scheduler, and turns
 requests into tokens. Other threads talk to it through the inbox only.
 
-    engine.py            Engine: builds the parts, runs the loop on its thread, the public API
+    engine.py            Engine: construction, start and shutdown, the API any thread calls
+    engine_thread.py     EngineThread, Engine's base: building the parts, the loop, closing
+    failure.py           why the engine failed, recorded once
     steps.py             one step (poll, schedule, execute, update, publish), plain or overlapped
     inbox.py             what other threads ask of the loop, as typed messages
     intake.py            validation and tokenization on the caller's thread

@@ -300,10 +300,11 @@ def test_hf_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("plain", [False, True], ids=["overlap", "plain"])
 def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_here(monkeypatch, plain):
-    """All torch work on one thread (the OpenMP pools: see server/loop/engine.py), the one that runs
+    """All torch work on one thread (the OpenMP pools: see server/loop/engine_thread.py), the one that runs
     the forward passes: the runner thread under overlap scheduling, else the engine thread. What
     loading raises comes out of the constructor, and nothing is left running."""
-    from tandem.server.loop import engine as engine_module
+    from tandem.server.loop import engine_thread
+    from tandem.server.loop.engine import Engine
 
     loaded_on = []
 
@@ -311,9 +312,9 @@ def test_the_engine_loads_its_model_on_its_own_thread_and_a_failed_load_raises_h
         loaded_on.append(threading.current_thread())
         raise ModelLoadError("--model 'x': cannot read the model")
 
-    monkeypatch.setattr(engine_module, "load_model", failing_load)
+    monkeypatch.setattr(engine_thread, "load_model", failing_load)
     with pytest.raises(ModelLoadError, match="cannot read the model"):
-        engine_module.Engine(EngineConfig(max_total_tokens=2048, disable_overlap_schedule=plain))
+        Engine(EngineConfig(max_total_tokens=2048, disable_overlap_schedule=plain))
     [thread] = loaded_on
     assert thread.name.startswith("tandem-engine" if plain else "tandem-runner")
     assert thread is not threading.current_thread()
