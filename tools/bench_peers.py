@@ -51,6 +51,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -292,17 +293,31 @@ def measure(target: str, model_name: str, tokenizer, works: list, work_c1, concu
     }
 
 
-def run(args, engine_args: list[str]) -> int:
-    from tandem.common.cpu import ISA_CAP_VARIABLE, isa_cap
+# A system to serve: it starts the server(s) under the ExitStack given (which stops them), waits until
+# they answer, and returns the address to drive and the model's name there.
+Launcher = Callable[[ExitStack], tuple[str, str]]
+
+
+@dataclass
+class Setup:
+    """What `run` has before it serves anything."""
+
+    machine: dict  # the CPU, its read bandwidth and the single-stream floor: printed first, the table's header
+    tokenizer: object  # the model's, which the clients count tokens with
+    launchers: list[tuple[str, Launcher]]  # every system, by its name in the table, in the order run
+
+
+def set_up(args, engine_args: list[str]) -> Setup:
+    """The counts checked, the machine measured (and printed), and a launcher for each system."""
+    from tandem.common.cpu import isa_cap
 
     for name in ("rounds", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}={getattr(args, name)} is invalid: must be >= 1")
     cap = isa_cap()
-    from tandem.kernels.isa import cpu_features, runnable_flags
+    from tandem.kernels.isa import cpu_features
     from tandem.server.model.loader import resolve_model
     from tandem.server.model.tokenizer import load_tokenizer
-    from tandem.tools.stack import LocalStack, free_port
 
     home = Path(args.home).expanduser()
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-peers-"))
@@ -321,15 +336,24 @@ def run(args, engine_args: list[str]) -> int:
                "read_gb_s": round(bandwidth, 1), "weights": weight_form,
                "decode_weight_mb": round(weight_bytes / 1e6, 1), "tpot_floor_ms": round(floor_ms, 1)}
     print(json.dumps({"bench": "peers", "machine": machine}), flush=True)
+    return Setup(machine, tokenizer, launchers(args, engine_args, home, logs, threads, cap))
 
-    # Each system as a launcher: it starts the server(s) under the ExitStack given (which stops them),
-    # waits until they answer, and returns the address to drive and the model's name there.
-    launchers: list[tuple[str, Callable[[ExitStack], tuple[str, str]]]] = []
+
+def launchers(args, engine_args: list[str], home: Path, logs: Path, threads: int,
+              cap: str | None) -> list[tuple[str, Launcher]]:
+    """vLLM once per `--vllm-dtype`, llama.cpp, tandem, tandem once per `--variant`, tandem 1P+1D, less
+    those skipped; vLLM and llama.cpp installed or built under `home` on first use, every log in `logs`."""
+    from tandem.common.cpu import ISA_CAP_VARIABLE
+    from tandem.kernels.isa import runnable_flags
+    from tandem.server.model.loader import resolve_model
+    from tandem.tools.stack import LocalStack, free_port
+
+    systems: list[tuple[str, Launcher]] = []
     if not args.skip_vllm:
         python = ensure_vllm(home)
         model_dir = export_hf(args.model, home / "smollm2-hf")
 
-        def vllm(dtype: str) -> Callable[[ExitStack], tuple[str, str]]:
+        def vllm(dtype: str) -> Launcher:
             def launch(servers: ExitStack) -> tuple[str, str]:
                 port, log_path = free_port(), logs / f"vllm-{dtype}.log"
                 proc = start_vllm(python, model_dir, dtype, threads, port, log_path, vllm_isa_env(home, cap))
@@ -341,7 +365,7 @@ def run(args, engine_args: list[str]) -> int:
                 return f"127.0.0.1:{port}", "smollm2"
             return launch
 
-        launchers += [(f"vLLM {dtype}", vllm(dtype)) for dtype in args.vllm_dtype or ["bfloat16", "float32"]]
+        systems += [(f"vLLM {dtype}", vllm(dtype)) for dtype in args.vllm_dtype or ["bfloat16", "float32"]]
 
     source = resolve_model(args.model)
     if not args.skip_llama_cpp and source.kind == "gguf":
@@ -357,9 +381,9 @@ def run(args, engine_args: list[str]) -> int:
             wait_http_ready(f"http://127.0.0.1:{port}/health", proc, log_path)
             return f"127.0.0.1:{port}", "smollm2"
 
-        launchers.append(("llama.cpp", llama_cpp))
+        systems.append(("llama.cpp", llama_cpp))
 
-    def tandem(name: str, roles: list[str], flags: tuple[str, ...]) -> Callable[[ExitStack], tuple[str, str]]:
+    def tandem(name: str, roles: list[str], flags: tuple[str, ...]) -> Launcher:
         def launch(servers: ExitStack) -> tuple[str, str]:
             (logs / name.replace(" ", "-")).mkdir(exist_ok=True)
             stack = servers.enter_context(LocalStack(logs / name.replace(" ", "-"), (*engine_args, *flags)))
@@ -368,37 +392,46 @@ def run(args, engine_args: list[str]) -> int:
             return stack.start_router().url.removeprefix("http://"), stack.model_name
         return launch
 
-    launchers.append(("tandem", tandem("tandem", ["colocated"], ())))
+    systems.append(("tandem", tandem("tandem", ["colocated"], ())))
     for variant in args.variant or []:
         label, _, flags = variant.partition("=")
-        launchers.append((f"tandem {label}", tandem(f"tandem {label}", ["colocated"], tuple(shlex.split(flags)))))
+        systems.append((f"tandem {label}", tandem(f"tandem {label}", ["colocated"], tuple(shlex.split(flags)))))
     if not args.skip_pd:
-        launchers.append(("tandem 1P+1D", tandem("tandem 1P+1D", ["prefill", "decode"], ())))
+        systems.append(("tandem 1P+1D", tandem("tandem 1P+1D", ["prefill", "decode"], ())))
+    return systems
 
-    results: dict[str, list[dict]] = {name: [] for name, _ in launchers}
+
+def measure_systems(args, setup: Setup) -> dict[str, list[dict]]:
+    """Every system's figures, one dict a repeat (each printed as it comes): each system's repeats back
+    to back on one server, or (`--interleave`) every server started first and the systems in turn."""
+    results: dict[str, list[dict]] = {name: [] for name, _ in setup.launchers}
 
     def record(name: str, repeat: int, target: str, model_name: str) -> None:
         wait_cpu_quiet()
         speed = round(core_gflops(), 1)
         works, work_c1 = workloads(args, repeat)
-        results[name].append({**measure(target, model_name, tokenizer, works, work_c1, args.concurrency),
+        results[name].append({**measure(target, model_name, setup.tokenizer, works, work_c1, args.concurrency),
                               "core_gflops": speed})
         print(json.dumps({"bench": "peers", "system": name, "repeat": repeat, **results[name][-1]}), flush=True)
 
     if args.interleave:
         with ExitStack() as servers:
-            targets = {name: launch(servers) for name, launch in launchers}
+            targets = {name: launch(servers) for name, launch in setup.launchers}
             for name, repeat in turns(list(targets), args.repeats, interleave=True):
                 record(name, repeat, *targets[name])
     else:
-        for name, launch in launchers:
+        for name, launch in setup.launchers:
             wait_cpu_quiet()
             with ExitStack() as servers:
                 target = launch(servers)
                 for repeat in range(args.repeats):
                     record(name, repeat, *target)
+    return results
 
-    print(table(results, machine, args))
+
+def run(args, engine_args: list[str]) -> int:
+    setup = set_up(args, engine_args)
+    print(table(measure_systems(args, setup), setup.machine, args))
     return 0
 
 
