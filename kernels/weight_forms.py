@@ -198,8 +198,8 @@ class FLinear(DenseForm):
 class PrefillCopy(WeightForm):
     """Products over more than BLOCK_MAX_ROWS rows in the prefill dtype (a float32 weight on a CPU):
     x rounded to it and multiplied by a copy of the weight in it, held in the form the registry picks
-    for that copy (oneDNN where it takes the dtype); returned in float32, or where `keep` asks and
-    there is no bias in the prefill dtype."""
+    for that copy (oneDNN where it takes the dtype); returned in float32, or, where `keep` asks and
+    there is no bias, in the prefill dtype."""
 
     few_rows = False
 
