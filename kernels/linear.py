@@ -12,10 +12,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, BlockWeights, Bytes, Nibbles, NibbleStripes
-# onednn_supports is read from here by the engine's dtype choice (server/model) and the tools
-from tandem.kernels.weight_forms import FormOptions, WeightForm, choose, onednn_supports
-
-__all__ = ["Linear", "onednn_supports", "use_stripes"]
+from tandem.kernels.weight_forms import FormOptions, WeightForm, choose
 
 _stripes = [True]
 

@@ -33,7 +33,8 @@ from tandem.kernels.block_linear import (BlockWeights, Bytes, Nibbles, NibbleStr
                                          block_gemm, block_gemm_bf16, block_gemm_q4, block_gemm_q4_stripes,
                                          block_gemm_q8)
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
-from tandem.kernels.linear import Linear, onednn_supports
+from tandem.kernels.linear import Linear
+from tandem.kernels.weight_forms import onednn_supports
 
 
 def projection_shapes(model: str) -> dict[str, tuple[int, int]]:

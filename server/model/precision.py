@@ -20,7 +20,7 @@ import torch
 from tandem.kernels.block_linear import BlockWeights, fits_four_bits
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.isa import runnable_flags
-from tandem.kernels.linear import onednn_supports
+from tandem.kernels.weight_forms import onednn_supports
 from tandem.server.config import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,7 +106,7 @@ def resolve_dtype(dtype: str, device: torch.device, block_weights: bool = False,
       everywhere: on a 2-core Xeon with AMX, a SmolLM2 decode step took 18.0 ms at 1 row against
       bfloat16's 33.1, and 36.8 against 38.6 at 8 rows (`tandem bench step --compare weights`);
     - with int8 blocks (1.25 bytes a weight), where the CPU has no AMX: measured faster than native
-      bfloat16 on an AVX512-BF16 CPU (`tandem bench offline`, docs/performance.md), while with AMX
+      bfloat16 on an AVX512-BF16 CPU (`tandem bench offline`, docs/performance-log.md), while with AMX
       bfloat16 won: `tandem bench offline --skip-hf --max-running-requests 8` served 174-177 tok/s
       in bfloat16 against 140 with float32 weights, int8 blocks and bfloat16 prefill products.
     Otherwise bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.linear import Linear, onednn_supports
+from tandem.kernels.linear import Linear
+from tandem.kernels.weight_forms import onednn_supports
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
