@@ -4,7 +4,11 @@ on ints and lists (no torch, no numpy), so every decision is unit-tested without
     request.py          Request: a request's state inside the engine, and its phases
     sampling_params.py  SamplingParams: per-request sampling and stopping, and their validation
     memory.py           KVMemory: request-level operations over the kvcache/ structures
-    policy.py           admission: waiting-queue order, the per-step prefill budget, new-token ratio
-    scheduler.py        Scheduler: builds each step's StepPlan, retracts under memory pressure
-    plan.py             StepPlan (what the runner runs) and StepResult (what comes back)
+    policy.py           admission: waiting-queue order (fcfs, lpm), prompt tokens per pass (per
+                        device), PrefillBudget, the adaptive new-token ratio
+    queues.py           RequestQueues, the Scheduler's base: waiting, chunked, running, handed off;
+                        every change of a request's status (add, admit, retract, finish, abort)
+    scheduler.py        Scheduler: schedule() -> StepPlan, update(plan, output); retracts under memory
+                        pressure
+    plan.py             StepPlan and SeqPlan (what the runner runs), StepOutput (what comes back)
 """
