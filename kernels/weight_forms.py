@@ -48,7 +48,7 @@ Adding a weight form (FP8, int4 with groups, GGUF K-quants, ...):
 A source whose container is new (another block size) brings `rows`, `columns` and `cat` on that
 container, as BlockWeights has, for tensor-parallel ranks (server/model/shard.py splits the source
 before any form is made); forms are made from a rank's share. tests/unit/test_weight_forms.py and
-tests/engine/test_weight_forms.py add a form this way, inside the test.
+tests/engine/test_added_weight_form.py add a form this way, inside the test.
 """
 
 from __future__ import annotations
