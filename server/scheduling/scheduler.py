@@ -102,8 +102,8 @@ class Scheduler(RequestQueues):
         self.stats.prompt_tokens += req.prompt_len
         self.running.append(req)
         if req.grammar is not None and not req.grammar.accept(first_token):
-            self.finish(req, Finish("abort", message=f"the prefill's first token {first_token} breaks the "
-                                                             "request's constraint", code="internal"))
+            self.finish(req, Finish("abort", message=f"the prefill's first token {first_token} breaks the request's "
+                                                    "constraint", code="internal"))
             return
         finish = req.stop_reason(first_token)
         if finish is not None:
@@ -131,9 +131,9 @@ class Scheduler(RequestQueues):
         return plan
 
     def _schedule_prefills(self) -> list[tuple[SeqPlan, Request]]:
-        cfg = self.config
         if not self.waiting and self.chunked is None:
             return []
+        cfg = self.config
         reserved = self.reserved_tokens()
         budget = PrefillBudget(
             rem_total=self.memory.available_pages * self.page_size - reserved,
@@ -208,8 +208,8 @@ class Scheduler(RequestQueues):
         for req in decoding:
             if not self.memory.grow(req, req.num_computed + 1):
                 # A lone request that outgrew the whole pool: nothing left to retract.
-                self.finish(req, Finish("abort", code="resource_exhausted",
-                                               message="KV cache exhausted: the request no longer fits the pool"))
+                self.finish(req, Finish("abort", message="KV cache exhausted: the request no longer fits the pool",
+                                        code="resource_exhausted"))
                 continue
             plans.append((self._seq(req, 1), req))
         if not retracted:  # a retraction just reset the ratio; decaying it now would undo that
