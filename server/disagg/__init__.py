@@ -3,7 +3,7 @@
 Both sides:
     connector.py        KVConnector: the interface, and the colocated pass-through
     roles.py            create_connector: the connector of a server's role (the one module importing
-                        both sides); advertise_host: the address its peers reach it at
+                        both connectors); advertise_host: the address its peers reach it at
     layout.py           KVLayout (what both sides must agree on), page addresses, coalesced page runs
     transfer.py         the Mooncake transfer engine: registration, batched one-sided writes, arrival records
     bootstrap.py        the bootstrap service on each prefill server (HTTP + JSON) and the decode's client

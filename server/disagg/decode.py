@@ -92,11 +92,10 @@ class DecodeConnector(KVConnector):
         self.links = PrefillLinks(config, self.me, self._handshake, self.kv_heads, wake)
         # What arrives per page: a copy on each rank of a replicated (latent) pool, else each head once
         self.kv_bytes_per_page = layout.page_bytes_all_parts * (len(self.parts) if layout.replicated else 1)
-        reuse = not config.disable_decode_prefix_reuse
-        self.prealloc = DecodePrealloc(config, memory, self.links, reuse)
+        self.prealloc = DecodePrealloc(config, memory, self.links, reuse=not config.disable_decode_prefix_reuse)
         self.registering = DecodeRegister(self.me, self.records, self.links, wake)
         self.transferring = DecodeTransfer(config, layout, self.records, kv_cache.buffer, ranks, memory,
-                                           self.kv_bytes_per_page, reuse, on_transfer)
+                                           self.kv_bytes_per_page, self.prealloc.reuses, on_transfer)
         self._stages = {Stage.PREALLOC: self.prealloc.advance, Stage.REGISTERING: self.registering.advance,
                         Stage.TRANSFER: self.transferring.advance}
         self.pending: dict[str, Pending] = {}
@@ -132,7 +131,7 @@ class DecodeConnector(KVConnector):
     # -- the queues -------------------------------------------------------------------------------
     def poll(self, finished: list[Request], reserved_tokens: int) -> ConnectorEvents:
         now, self._events = time.monotonic(), ConnectorEvents()
-        self.prealloc.running(reserved_tokens)
+        self.prealloc.reserved_tokens = reserved_tokens  # what admission leaves the running requests
         retired = [p.peer for p in self.pending.values()] + [q.peer for q in self.quarantine]
         self.links.update(now, retired, self._rooms_waiting_on)
         for p in list(self.pending.values()):
@@ -194,8 +193,9 @@ class DecodeConnector(KVConnector):
             return None
         if p.stage is Stage.PREALLOC:
             return self._drop(p)
-        self.links.cancel(p.peer, p.req.bootstrap.room, message)
-        return self._quarantine(p)
+        req = self._quarantine(p)
+        self.links.cancel(p.peer, req.bootstrap.room, message)
+        return req
 
     def has_work(self) -> bool:
         return bool(self.pending or self.quarantine)

@@ -55,7 +55,7 @@ class PrefillLinks:
         if peer is None:
             client = BootstrapClient(*address, token=self.token)
             peer = PrefillLink(address, self.config.peer_heartbeat_interval, self.config.peer_timeout, client=client,
-                            handshake=self.pool.submit(self._handshake, client))
+                               handshake=self.pool.submit(self._handshake, client))
             self.book.add(peer)
             peer.handshake.add_done_callback(lambda _: self.wake())
         return peer

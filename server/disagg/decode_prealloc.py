@@ -25,15 +25,11 @@ class DecodePrealloc:
     def __init__(self, config: DisaggConfig, memory: KVMemory, links: PrefillLinks, reuse: bool):
         self.memory, self.links, self.reuse = memory, links, reuse
         self.bootstrap_timeout = config.bootstrap_timeout
-        self.reserved_tokens = 0  # KV the running requests keep for their output, as of the current poll
+        self.reserved_tokens = 0  # KV the running requests keep for their output, set at each poll
 
     def start(self, req: Request) -> Pending:
         """A new request: it waits for the registration at its bootstrap address until --bootstrap-timeout."""
         return Pending(req, self.links.for_room(req.bootstrap.address), deadline(self.bootstrap_timeout))
-
-    def running(self, reserved_tokens: int) -> None:
-        """At each poll: the KV the running requests keep for their output, which admission leaves them."""
-        self.reserved_tokens = reserved_tokens
 
     def joined(self, req: Request) -> None:
         """`req`'s KV arrived: it joins the running batch after this poll. Until the next one counts
@@ -58,8 +54,12 @@ class DecodePrealloc:
                               "bootstrap_failures")
         return None
 
+    def reuses(self, peer: PrefillLink) -> bool:
+        """Whether a request for `peer` shares the prefix our cache holds (the prefill leaves it out)."""
+        return self.reuse and peer.skips_pages
+
     def _reserve(self, req: Request, peer: PrefillLink) -> bool:
         """A slot and pages for the prompt, sharing the prefix our cache holds when the prefill can
         leave it out, and leaving the running requests their output headroom."""
-        return self.memory.reserve(req, req.prompt_len, reuse_prefix=self.reuse and peer.skips_pages,
+        return self.memory.reserve(req, req.prompt_len, reuse_prefix=self.reuses(peer),
                                    keep_pages=self.memory.pages_for(self.reserved_tokens))

@@ -14,6 +14,7 @@ import torch
 
 from tandem.server.config import DisaggConfig
 from tandem.server.disagg.connector import OtherRanks
+from tandem.server.disagg.decode_links import PrefillLink
 from tandem.server.disagg.decode_peers import PeerState
 from tandem.server.disagg.decode_stages import End, Pending
 from tandem.server.disagg.layout import KVLayout
@@ -25,14 +26,14 @@ from tandem.server.scheduling.memory import KVMemory
 class DecodeTransfer:
     """The arrival records (`records`, request slot i's in slot i) and the KV that lands: in rank
     0's `buffer` and the other `ranks`' (`memory` says which pages a request holds).
-    `kv_bytes_per_page`: what arrives per page; `reuse`: requests for a prefill that can leave out
-    the cached prefix looked it up; `on_transfer`: the seconds one request's KV took to move."""
+    `kv_bytes_per_page`: what arrives per page; `reuses(peer)`: whether a request for that prefill
+    looked its prompt up in the prefix cache; `on_transfer`: the seconds one request's KV took to move."""
 
     def __init__(self, config: DisaggConfig, layout: KVLayout, records: RecordBuffer, buffer: torch.Tensor,
-                 ranks: OtherRanks | None, memory: KVMemory, kv_bytes_per_page: int, reuse: bool,
-                 on_transfer: Callable[[float], None]):
+                 ranks: OtherRanks | None, memory: KVMemory, kv_bytes_per_page: int,
+                 reuses: Callable[[PrefillLink], bool], on_transfer: Callable[[float], None]):
         self.config, self.layout, self.records, self.buffer, self.ranks = config, layout, records, buffer, ranks
-        self.memory, self.kv_bytes_per_page, self.reuse, self.on_transfer = memory, kv_bytes_per_page, reuse, on_transfer
+        self.memory, self.kv_bytes_per_page, self.reuses, self.on_transfer = memory, kv_bytes_per_page, reuses, on_transfer
         self.counters = {"kv_transfer_bytes": 0, "kv_transfer_skipped_bytes": 0, "decode_prefix_query_tokens": 0,
                          "decode_prefix_hit_tokens": 0}
 
@@ -84,7 +85,7 @@ class DecodeTransfer:
             req.output_top_logprobs.append([])  # the prefill sends the chosen token's logprob only
         self.counters["kv_transfer_bytes"] += len(arrived) * self.kv_bytes_per_page
         self.counters["kv_transfer_skipped_bytes"] += req.cached_pages * self.kv_bytes_per_page
-        if self.reuse and p.peer.skips_pages:  # its prompt was looked up in the prefix cache
+        if self.reuses(p.peer):  # its prompt was looked up in the prefix cache
             self.counters["decode_prefix_query_tokens"] += req.prompt_len
             self.counters["decode_prefix_hit_tokens"] += req.cached_pages * self.memory.page_size
         self.on_transfer(now - p.registered_at)

@@ -1,6 +1,6 @@
 """Which KV connector a server's disaggregation role plugs into the engine loop, and the address
-its peers reach it at. The one module that imports both sides: connector.py, the interface they
-implement, imports neither."""
+its peers reach it at. The one module that imports both connectors: connector.py, the interface
+they implement, imports neither."""
 
 from __future__ import annotations
 
