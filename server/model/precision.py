@@ -49,9 +49,8 @@ class Precision:
     @classmethod
     def resolve(cls, config: EngineConfig, device: torch.device, blocks: dict[str, BlockWeights]) -> Precision:
         """The precision `config`'s flags choose on `device` for a model that comes with `blocks`
-        (a GGUF file's block-quantized weights, {} for others). Raises ValueError naming the flag
-        where they cannot be followed."""
-        check(config)
+        (a GGUF file's block-quantized weights, {} for others), the flags `check`ed before the model
+        loaded. Raises ValueError naming the flag where they cannot be followed here."""
         four_bit = config.gguf_blocks == "4bit"
         weights, weights_why = resolve_dtype(config.dtype, device, block_weights=bool(blocks),
                                              four_bit=four_bit and any(fits_four_bits(b) for b in blocks.values()))
@@ -150,7 +149,7 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def resolve_prefill_dtype(prefill_dtype: str, asked_dtype: str, dtype: str, device: torch.device) -> tuple[str, str]:
     """The dtype of projections over many rows, and why. Only float32 weights on a CPU have a
     choice: bfloat16 there rounds the inputs of prefill products and of decode steps of 5 rows or
-    more (2 or more over 4-bit blocks held in stripes: `tandem.kernels.linear`), and the attention of prompt pieces (`TorchAttention`; not decode
+    more (2 or more over 4-bit blocks held in stripes: `tandem.kernels.weight_forms`), and the attention of prompt pieces (`TorchAttention`; not decode
     attention or smaller decode steps, and the KV cache only as `resolve_kv_dtype` decides), for two
     to three times float32's speed on AVX512-BF16. `auto` takes it only where `--dtype` was auto
     too, so that `--dtype float32` stays exact."""
@@ -191,8 +190,8 @@ def resolve_kv_dtype(kv_cache_dtype: str, compute: torch.dtype, prefill: torch.d
     if kv != compute:
         if device.type != "cpu":
             raise ValueError(f"--kv-cache-dtype={kv_cache_dtype} on {device}: the KV cache there keeps the compute "
-                             f"dtype, {str(compute).removeprefix('torch.')}")
+                             f"dtype, {dtype_name(compute)}")
         if compute not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"--kv-cache-dtype={kv_cache_dtype} with {str(compute).removeprefix('torch.')} math: "
+            raise ValueError(f"--kv-cache-dtype={kv_cache_dtype} with {dtype_name(compute)} math: "
                              "a KV cache other than the compute dtype needs float32 or bfloat16 math")
     return kv, "asked for"

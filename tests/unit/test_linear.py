@@ -47,44 +47,6 @@ def test_a_16_bit_dtype_onednn_cannot_take_here_goes_to_f_linear(rows):
     torch.testing.assert_close(y.double(), reference(x, w, b), rtol=2e-2, atol=2e-2)
 
 
-
-def test_auto_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
-    from tandem.server.model import precision
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma", "avx512f"])
-    dtype, why = precision.resolve_dtype("auto", cpu)
-    assert dtype == "float32" and "neither AVX512-BF16 nor AMX" in why
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
-    assert precision.resolve_dtype("auto", cpu) == ("bfloat16", "auto: this CPU multiplies bfloat16 natively (avx512_bf16)")
-    assert precision.resolve_dtype("auto", cuda)[0] == "bfloat16"
-    assert precision.resolve_dtype("float32", cpu) == ("float32", "asked for")
-
-
-def test_auto_dtype_is_float32_where_the_block_kernels_decode(monkeypatch):
-    from tandem.server.model import precision
-
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])
-    monkeypatch.setattr(precision, "cpu_ops_unavailable", lambda: None)
-    dtype, why = precision.resolve_dtype("auto", cpu, block_weights=True)
-    assert dtype == "float32" and "int8 blocks" in why
-    assert precision.resolve_dtype("auto", cpu, block_weights=False)[0] == "bfloat16"  # safetensors: no blocks
-    assert precision.resolve_dtype("auto", torch.device("cuda"), block_weights=True)[0] == "bfloat16"
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16", "amx_bf16"])
-    dtype, why = precision.resolve_dtype("auto", cpu, block_weights=True)
-    assert dtype == "bfloat16" and why.endswith("with AMX, faster than float32 with the GGUF file's int8 blocks")
-    dtype, why = precision.resolve_dtype("auto", cpu, block_weights=True, four_bit=True)  # 4-bit blocks beat AMX too
-    assert dtype == "float32" and "4-bit blocks" in why
-    # AMX listed but faulting is left out of runnable_flags (tandem.kernels.isa): no AMX, so the blocks
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16"])
-    dtype, why = precision.resolve_dtype("auto", cpu, block_weights=True)
-    assert dtype == "float32" and "int8 blocks" in why
-    monkeypatch.setattr(precision, "cpu_ops_unavailable", lambda: "TANDEM_CPU_KERNELS=0")
-    dtype, why = precision.resolve_dtype("auto", cpu, block_weights=True)
-    assert dtype == "bfloat16" and why.endswith("cannot run: TANDEM_CPU_KERNELS=0")
-
-
 @pytest.mark.parametrize("rows", [1, 8, 9, 64])
 def test_a_bfloat16_prefill_copy_serves_only_products_over_eight_rows(rows):
     torch.manual_seed(rows)
@@ -107,46 +69,3 @@ def test_a_bfloat16_prefill_copy_serves_only_products_over_eight_rows(rows):
 def test_only_float32_weights_on_a_cpu_keep_a_prefill_copy():
     assert Linear(torch.randn(16, 16).bfloat16(), prefill_dtype=torch.bfloat16).prefill is None
     assert Linear(torch.randn(16, 16), prefill_dtype=torch.float32).prefill is None
-
-
-def test_prefill_dtype_auto_rounds_only_where_dtype_was_auto_and_bfloat16_is_native(monkeypatch):
-    from tandem.server.model import precision
-
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(precision, "onednn_supports", lambda dtype: True)
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16"])
-    assert precision.resolve_prefill_dtype("auto", "auto", "float32", cpu)[0] == "bfloat16"
-    assert precision.resolve_prefill_dtype("auto", "float32", "float32", cpu) == (
-        "float32", "auto: --dtype float32 asked for exact math")
-    assert precision.resolve_prefill_dtype("float32", "auto", "float32", cpu) == ("float32", "asked for")
-    assert precision.resolve_prefill_dtype("auto", "auto", "bfloat16", cpu) == ("bfloat16", "as the weights")
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma"])
-    assert precision.resolve_prefill_dtype("auto", "auto", "float32", cpu)[0] == "float32"
-    assert precision.resolve_prefill_dtype("bfloat16", "float32", "float32", cpu) == ("bfloat16", "asked for")
-    with pytest.raises(ValueError, match=r"--prefill-dtype=bfloat16 applies to float32 weights on a CPU; "
-                                         r"here they are bfloat16 on cuda"):
-        precision.resolve_prefill_dtype("bfloat16", "auto", "bfloat16", torch.device("cuda"))
-
-
-def test_kv_cache_dtype_auto_is_bfloat16_only_beside_bfloat16_prompt_products_on_a_native_cpu(monkeypatch):
-    from tandem.server.model import precision
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    f32, bf16 = torch.float32, torch.bfloat16
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma", "avx512_bf16"])
-    assert precision.resolve_kv_dtype("auto", f32, bf16, cpu) == (
-        bf16, "auto: prompt products in bfloat16 on this CPU (avx512_bf16); half the bytes for decode attention")
-    assert precision.resolve_kv_dtype("auto", f32, f32, cpu) == (f32, "auto: as the math")  # --dtype float32: exact
-    assert precision.resolve_kv_dtype("auto", bf16, bf16, cpu)[0] == bf16
-    assert precision.resolve_kv_dtype("float32", f32, bf16, cpu) == (f32, "asked for")
-    assert precision.resolve_kv_dtype("bfloat16", f32, f32, cpu) == (bf16, "asked for")
-    assert precision.resolve_kv_dtype("auto", bf16, bf16, cuda)[0] == bf16
-    monkeypatch.setattr(precision, "runnable_flags", lambda: ["avx2", "fma"])  # bfloat16 prompts forced, not native
-    assert precision.resolve_kv_dtype("auto", f32, bf16, cpu)[0] == f32
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype='float16' is invalid: choose auto, float32 or bfloat16"):
-        precision.resolve_kv_dtype("float16", f32, f32, cpu)
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype=float32 on cuda: the KV cache there keeps the compute "
-                                         r"dtype, bfloat16"):
-        precision.resolve_kv_dtype("float32", bf16, bf16, cuda)
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype=bfloat16 with float16 math"):
-        precision.resolve_kv_dtype("bfloat16", torch.float16, torch.float16, cpu)
