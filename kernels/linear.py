@@ -34,6 +34,8 @@ class Linear:
         self.bias = bias
         # products of up to BLOCK_MAX_ROWS rows go to `small`, of more to `large` (one object where one form serves all)
         self.small, self.large = choose(weight, blocks, FormOptions(prefill_dtype, four_bit, _stripes[0]))
+        # the form over the weight in its own dtype serving every row, if any (none beside blocks and a prefill copy)
+        self._whole = next((form for form in (self.small, self.large) if form.few_rows and form.many_rows), None)
 
     def __call__(self, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
         """x @ W.T (+ bias), in float32 where the weight is; `keep`: a product run in the prefill
@@ -86,14 +88,9 @@ class Linear:
     def weight(self) -> torch.Tensor | None:
         """The weight in its own dtype as held (`kind` says how), or None where blocks serve the few
         rows and a prefill copy the many: no third copy."""
-        whole = self._whole()
-        return None if whole is None else whole.weight
+        return None if self._whole is None else self._whole.weight
 
     @property
     def kind(self) -> str:
         """How the weight in its own dtype is held: "onednn", "transposed", "plain", or "none"."""
-        whole = self._whole()
-        return "none" if whole is None else whole.kind
-
-    def _whole(self) -> WeightForm | None:
-        return next((form for form in (self.small, self.large) if form.few_rows and form.many_rows), None)
+        return "none" if self._whole is None else self._whole.kind

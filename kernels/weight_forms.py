@@ -53,9 +53,8 @@ tests/engine/test_added_weight_form.py add a form this way, inside the test.
 
 from __future__ import annotations
 
-import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +91,14 @@ class FormOptions:
     prefill_dtype: torch.dtype | None = None  # products over more than BLOCK_MAX_ROWS rows in this dtype
     four_bit: bool = True  # blocks whose values fit 4 bits are kept in 4 bits (else as 8-bit or int8 blocks)
     stripes: bool = True  # 4-bit blocks of whole 16-row stripes are regrouped in stripes (`use_stripes`)
+    _packed: dict = field(default_factory=dict, compare=False, repr=False)  # id(blocks) -> `nibbles`' answer
+
+    def nibbles(self, blocks: BlockWeights) -> Nibbles | None:
+        """`blocks` in 4 bits (`Nibbles.pack`), or None where they do not fit: packed once however
+        many of the 4-bit forms ask."""
+        if id(blocks) not in self._packed:
+            self._packed[id(blocks)] = Nibbles.pack(blocks) if self.four_bit else None
+        return self._packed[id(blocks)]
 
 
 class WeightForm:
@@ -273,14 +280,16 @@ class FourBitStripes(BlockForm):
     """4-bit blocks (Q4_0, Q4_1) whose rows make whole stripes of 16, regrouped so (`NibbleStripes`)."""
 
     label, bfloat16_from = "4-bit blocks in stripes", STRIPES_BFLOAT16_MIN_ROWS
-    product = staticmethod(functools.partial(block_gemm_q4_stripes, exact=True))
 
     @staticmethod
     def hold(blocks, options):
-        if not (options.four_bit and options.stripes) or blocks.q.shape[0] % NibbleStripes.STRIPE:
-            return None
-        nibbles = Nibbles.pack(blocks)
+        nibbles = options.nibbles(blocks) if options.stripes else None
         return None if nibbles is None else NibbleStripes.from_nibbles(nibbles)
+
+    def __call__(self, x, bias, keep=False):
+        """The stripes' own kernel in float32 or, from bfloat16_min_rows, with x rounded to bfloat16."""
+        y = block_gemm_q4_stripes(x, self.blocks, exact=x.shape[0] < self.bfloat16_min_rows)
+        return y if bias is None else y + bias
 
 
 class FourBitBlocks(BlockForm):
@@ -291,7 +300,7 @@ class FourBitBlocks(BlockForm):
 
     @staticmethod
     def hold(blocks, options):
-        return Nibbles.pack(blocks) if options.four_bit else None
+        return options.nibbles(blocks)
 
 
 class EightBitBlocks(BlockForm):

@@ -117,9 +117,9 @@ def run_whole_model(args) -> int:
                                                           for n, s in zip(nibbles, stripes)]
     for dtype in (torch.float32, torch.bfloat16):
         if onednn_supports(dtype):
-            linears = [Linear(b.dequantize().to(dtype)) for b in blocks]
+            linears = [(Linear(b.dequantize().to(dtype)), b.q.shape[1]) for b in blocks]
             forms[f"oneDNN {str(dtype).removeprefix('torch.')}"] = (
-                lambda x, linears=linears, dtype=dtype: [lin(x[lin.weight.shape[1]].to(dtype)) for lin in linears])
+                lambda x, linears=linears, dtype=dtype: [lin(x[k].to(dtype)) for lin, k in linears])
     for rows in args.rows:
         x = {k: torch.randn(rows, k) for _, k in shapes}
         times = alternated_medians({name: (lambda form=form: form(x)) for name, form in forms.items()})

@@ -13,7 +13,7 @@ from tandem.kernels import weight_forms
 from tandem.kernels.block_linear import BLOCK_MAX_ROWS, bfloat16_blocks_unavailable
 from tandem.kernels.cpu_ops import cpu_ops_unavailable
 from tandem.kernels.linear import Linear, use_stripes
-from tandem.kernels.weight_forms import (BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS, EightBitBlocks, FLinear,
+from tandem.kernels.weight_forms import (BFLOAT16_MIN_ROWS, STRIPES_BFLOAT16_MIN_ROWS, BlockForm, EightBitBlocks, FLinear,
                                          FourBitBlocks, FourBitStripes, Int8Blocks, OneDNNPacked, PrefillCopy,
                                          Transposed, onednn_supports)
 
@@ -38,14 +38,15 @@ def test_the_registry_gives_each_span_of_rows_its_form(case, forms):
     blocks = None if kind is None else random_blocks(n, 128, kind, seed=n)
     w = torch.randn(n, 128) if blocks is None else blocks.dequantize()
     if blocks is not None and cpu_ops_unavailable() is not None:
-        forms = tuple(OneDNNPacked if f.many_rows else f for f in forms)  # no block kernels: no block forms
+        forms = tuple(OneDNNPacked if not f.many_rows else f for f in forms)  # no block kernels: no block forms
     linear = Linear(w, None, blocks, prefill_dtype, four_bit)
     assert (type(linear.small), type(linear.large)) == forms
     assert (linear.small is linear.large) == (forms[0] is forms[1])  # one form serving both is held once
     if forms[1] is PrefillCopy:
         assert type(linear.large.copy) is BF16_COPY and linear.large.rounds_to == torch.bfloat16
         assert linear.prefill_dtype_for(BLOCK_MAX_ROWS + 1) == torch.bfloat16 and linear.prefill_dtype_for(8) is None
-        assert linear.weight is None if kind else linear.weight.dtype == torch.float32  # no third copy beside blocks
+        no_copy = isinstance(linear.small, BlockForm)  # no third copy beside blocks and a prefill copy
+        assert linear.weight is None if no_copy else linear.weight.dtype == torch.float32
 
 
 def test_block_forms_turn_to_bfloat16_where_asked_and_native():
